@@ -1,0 +1,57 @@
+"""Pure tensor math of RL fine-tuning: advantages, losses, KL. No Ray, no torch.distributed, no models.
+
+Shapes in docstrings: ``(B, T)`` = batch, response tokens; ``V`` = vocabulary.
+"""
+
+from hybridflow.algorithms.advantage import (
+    compute_gae_advantage_return,
+    compute_grpo_outcome_advantage,
+    get_adv_estimator_fn,
+    register_adv_est,
+)
+from hybridflow.algorithms.kl import (
+    KL_PENALTY_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
+    kl_penalty,
+)
+from hybridflow.algorithms.losses import (
+    LOSS_AGG_MODES,
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_vanilla,
+    compute_value_loss,
+    entropy_from_logits,
+    get_policy_loss_fn,
+    logprobs_from_logits,
+    register_policy_loss,
+)
+from hybridflow.algorithms.registry import UnknownNameError
+from hybridflow.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "KL_PENALTY_TYPES",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "UnknownNameError",
+    "agg_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "get_adv_estimator_fn",
+    "get_kl_controller",
+    "get_policy_loss_fn",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_est",
+    "register_policy_loss",
+]

@@ -1,0 +1,212 @@
+"""Advantage estimators and their registry.
+
+Shapes: ``(B, T)`` = batch, response tokens. ``response_mask`` is 0/1 of any dtype (0 = padding or
+a token the policy did not generate); padded entries of per-token inputs are ignored, whatever
+they hold. Estimators run under ``torch.no_grad()`` and return float32 ``(advantages, returns)``,
+both 0 at padded positions.
+
+Calling convention
+------------------
+Registered estimators keep their natural (verl) signatures and can be called directly. The
+registry stores an adapter, so the driver calls every estimator the same way, with keywords only::
+
+    advantages, returns = get_adv_estimator_fn(config.algorithm.adv_estimator)(
+        token_level_rewards=batch["token_level_rewards"],  # (B, T)
+        response_mask=batch["response_mask"],              # (B, T)
+        values=batch.get("values"),                         # (B, T) or None
+        index=non_tensor["uid"],                            # (B,) np.ndarray or None
+        config=config.algorithm,
+    )
+
+The adapter fills each parameter of the estimator from, in order: a keyword given and not None;
+else the attribute of the same name on ``config`` (so ``gamma``/``lam`` and
+``norm_adv_by_std_in_grpo`` come from ``algorithm``); else the parameter's default. An estimator
+with a parameter named ``config`` receives ``config`` itself. Keywords the estimator does not take
+are ignored (the driver can pass everything it has), unless it takes ``**kwargs``, which then gets
+them. A required parameter found nowhere raises ``TypeError`` naming the estimator and parameter.
+Users add estimators with ``@register_adv_est("name")`` and select them by name.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms.registry import Registry
+from hybridflow.algorithms.utils import masked_sum, masked_whiten
+
+_MISSING = object()
+_SKIPPED_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _uniform_call_adapter(name: str, fn: Callable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """Wrap ``fn`` so it can be called as ``adapter(config=..., **named_inputs)`` (see module docstring)."""
+    params = inspect.signature(fn).parameters
+    takes_var_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    @functools.wraps(fn)
+    def adapter(config: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        call: dict[str, Any] = {}
+        for pname, param in params.items():
+            if param.kind in _SKIPPED_KINDS:
+                continue
+            if pname == "config":
+                call[pname] = config
+                continue
+            value = kwargs.get(pname)
+            if value is None and config is not None:
+                value = getattr(config, pname, None)
+            if value is not None:
+                call[pname] = value
+            elif param.default is inspect.Parameter.empty:
+                raise TypeError(f"advantage estimator {name!r} needs {pname!r}: pass it as a keyword "
+                                f"or set it on the algorithm config")
+        if takes_var_kwargs:
+            call.update({k: v for k, v in kwargs.items() if k not in params})
+        return fn(**call)
+
+    return adapter
+
+
+ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter)
+
+
+def register_adv_est(name: str) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name``.
+
+    The decorated function is returned unchanged; the registry stores the uniform-call adapter.
+    The function must return ``(advantages, returns)``, each ``(B, T)``.
+
+    Raises:
+        ValueError: another function is already registered under ``name``.
+    """
+    return ADV_ESTIMATORS.register(name)
+
+
+def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The uniform-call adapter of the estimator registered as ``name`` (see module docstring).
+
+    Raises:
+        UnknownNameError: (a ``KeyError`` and ``ValueError``) listing the registered names.
+    """
+    return ADV_ESTIMATORS.get(name)
+
+
+def _check_batch(**tensors: torch.Tensor) -> None:
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
+        raise ValueError(f"expected tensors of one (batch, response_len) shape, got "
+                         f"{', '.join(f'{k}={v}' for k, v in shapes.items())}")
+
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv 1506.02438, eq. 16).
+
+    Right to left over the *valid* tokens of each row, with ``t'`` the next valid token after ``t``:
+    ``delta_t = r_t + gamma * V_t' - V_t`` and ``A_t = delta_t + gamma * lam * A_t'``, where
+    ``V_t' = A_t' = 0`` after the last valid token. Values and rewards at masked positions never
+    enter: a hole in the mask is skipped, the next valid token's value carried across it.
+    ``returns = A + V`` (the critic's regression target) is taken before whitening; then the
+    advantages are whitened over all valid tokens of the batch (:func:`masked_whiten`).
+
+    Args:
+        token_level_rewards: ``(B, T)`` rewards (e.g. the score on the last token, minus a KL term).
+        values: ``(B, T)`` critic values ``V(s_t)``.
+        response_mask: ``(B, T)`` 0/1 mask of valid tokens.
+        gamma: discount.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)`` float32, 0 at masked positions; advantages have
+        mean 0 and unbiased variance ~1 over the valid tokens.
+
+    Raises:
+        ValueError: shapes differ or are not 2-D; fewer than 2 valid tokens in the batch (whitening).
+    """
+    _check_batch(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    with torch.no_grad():
+        valid = response_mask != 0
+        zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+        rewards = torch.where(valid, token_level_rewards.float(), zeros)
+        values = torch.where(valid, values.float(), zeros)
+        next_value = zeros[:, 0].clone()  # value of the next valid token (0 past the end)
+        next_adv = zeros[:, 0].clone()  # advantage of the next valid token
+        advantages = torch.zeros_like(zeros)
+        for t in reversed(range(valid.shape[1])):
+            is_valid = valid[:, t]
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            adv_t = delta + gamma * lam * next_adv
+            advantages[:, t] = torch.where(is_valid, adv_t, zeros[:, t])
+            next_value = torch.where(is_valid, values[:, t], next_value)
+            next_adv = torch.where(is_valid, adv_t, next_adv)
+        returns = torch.where(valid, advantages + values, zeros)
+        advantages = masked_whiten(advantages, valid)
+    return advantages, returns
+
+
+@register_adv_est("grpo")
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantage (Shao et al. 2024, arXiv 2402.03300, sec. 4.1.2).
+
+    Each response's score is the sum of its token rewards over valid tokens. Responses are grouped
+    by their ``index`` value (the uid of the prompt *instance*, so two copies of the same prompt
+    text with different uids are separate groups). Within a group of size ``n >= 2``:
+    ``A_i = (s_i - mean) / (std + epsilon)`` with the unbiased std (or ``s_i - mean`` when
+    ``norm_adv_by_std_in_grpo`` is False, as Dr. GRPO recommends, arXiv 2503.20783). A group of
+    size 1 has no baseline and gets advantage 0 (verl instead returns the raw score there).
+    Group statistics are computed in float64, so a group of equal scores gets exactly ~0.
+
+    Args:
+        token_level_rewards: ``(B, T)`` rewards (usually only the last valid token is non-zero).
+        response_mask: ``(B, T)`` 0/1 mask of valid tokens.
+        index: ``(B,)`` array-like of group ids (any hashable, sortable values, e.g. uid strings).
+        epsilon: added to the std.
+        norm_adv_by_std_in_grpo: divide by the group std.
+
+    Returns:
+        ``(advantages, returns)``: the same ``(B, T)`` float32 tensor twice, the sequence advantage
+        broadcast over its valid tokens and 0 elsewhere.
+
+    Raises:
+        ValueError: shapes differ, or ``index`` does not have one entry per row.
+    """
+    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    index = np.asarray(index)
+    batch = token_level_rewards.shape[0]
+    if index.shape != (batch,):
+        raise ValueError(f"index must have shape ({batch},) (one group id per response), got {index.shape}")
+    with torch.no_grad():
+        device = token_level_rewards.device
+        scores = masked_sum(token_level_rewards.double(), response_mask, axis=-1)  # (B,)
+        _, group_np = np.unique(index, return_inverse=True)
+        group = torch.as_tensor(group_np.reshape(-1), dtype=torch.long, device=device)
+        n_groups = int(group_np.max()) + 1 if batch else 0
+        per_group = torch.zeros(n_groups, dtype=torch.float64, device=device)
+        size = per_group.index_add(0, group, torch.ones_like(scores))[group]
+        centered = scores - (per_group.index_add(0, group, scores)[group] / size)
+        seq_adv = centered
+        if norm_adv_by_std_in_grpo:
+            sum_sq = per_group.index_add(0, group, centered**2)[group]
+            std = torch.sqrt(sum_sq / torch.clamp(size - 1, min=1))
+            seq_adv = centered / (std + epsilon)
+        seq_adv = torch.where(size > 1, seq_adv, torch.zeros_like(seq_adv)).float()
+        valid = response_mask != 0
+        advantages = torch.where(valid, seq_adv[:, None].expand(valid.shape), torch.zeros(valid.shape, device=device))
+    return advantages, advantages

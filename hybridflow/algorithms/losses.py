@@ -1,0 +1,351 @@
+"""Token log-probabilities, entropy, loss aggregation, and the PPO policy and value losses.
+
+Shapes: ``(B, T)`` = batch, response tokens; ``V`` = vocabulary. ``response_mask`` is 0/1 of any
+dtype (0 = padding); padded entries of every per-token input are ignored, whatever they hold.
+
+Policy-loss registry
+--------------------
+Every registered policy loss has one signature, so the actor calls any of them the same way::
+
+    fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+       **agg_kwargs) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+
+``config`` is the actor config (``actor_rollout_ref.actor``: a dataclass or an OmegaConf
+DictConfig, read by attribute) from which the loss takes its hyper-parameters; ``agg_kwargs``
+(``num_tokens``, ``num_seqs``, ``loss_scale_factor``) go to :func:`agg_loss`. ``pg_loss`` is a
+differentiable scalar; the other three are detached scalar metrics. Add a loss with
+``@register_policy_loss("name")`` and select it with ``actor.policy_loss=name``.
+``compute_policy_loss`` keeps verl's direct signature (explicit clip ranges) and is what
+``"vanilla"`` calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from hybridflow.algorithms.registry import Registry, unknown_name_error
+from hybridflow.algorithms.utils import masked_mean, masked_sum
+
+LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to this before exp() so the ratio stays finite
+
+Number = Union[int, float, torch.Tensor]
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"shape mismatch: {', '.join(f'{k}={v}' for k, v in shapes.items())}")
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label under ``softmax(logits)``.
+
+    Computed in float32 as ``logits[label] - logsumexp(logits)`` (no log-softmax tensor of shape
+    ``(B, T, V)`` is returned or kept), so bf16/fp16 logits lose no further precision.
+
+    Args:
+        logits: ``(B, T, V)`` (any leading dims ``(..., V)``), any floating dtype.
+        labels: ``(B, T)`` (``(...)``) integer token ids in ``[0, V)``.
+
+    Returns:
+        ``(B, T)`` float32 log-probabilities (<= 0).
+
+    Raises:
+        ValueError: ``labels.shape != logits.shape[:-1]``.
+    """
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab dim "
+                         f"{tuple(logits.shape[:-1])}")
+    logits = logits.float()
+    picked = torch.gather(logits, -1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy ``H = -sum_v p_v log p_v`` of ``p = softmax(logits)`` along the last dim, in nats.
+
+    Computed in float32 as ``logsumexp(z) - sum_v p_v z_v``; ``-inf`` logits (masked vocabulary
+    entries) contribute 0.
+
+    Args:
+        logits: ``(..., V)`` floating tensor, e.g. ``(B, T, V)``.
+
+    Returns:
+        ``(...)`` float32 entropy, e.g. ``(B, T)``.
+    """
+    z = logits.float().clamp(min=torch.finfo(torch.float32).min)  # -inf -> finite, so 0 * z is 0, not NaN
+    p = torch.softmax(z, dim=-1)
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss aggregation
+# --------------------------------------------------------------------------------------------------
+
+
+def _total(given: Optional[Number], default: Number, name: str) -> Number:
+    """``given`` (checked > 0 when it is a plain number) or ``default``."""
+    if given is None:
+        return default
+    if not isinstance(given, torch.Tensor) and not given > 0:
+        raise ValueError(f"{name} must be > 0, got {given!r}")
+    return given
+
+
+def _token_mean(loss, mask, num_tokens, num_seqs, scale):
+    count = mask.to(loss.dtype).sum()
+    count = torch.where(count != 0, count, torch.ones_like(count))  # empty mask: loss 0, not NaN
+    return masked_sum(loss, mask) / _total(num_tokens, count, "num_tokens")
+
+
+def _seq_mean_token_sum(loss, mask, num_tokens, num_seqs, scale):
+    return masked_sum(loss, mask) / _total(num_seqs, loss.shape[0], "num_seqs")
+
+
+def _seq_mean_token_mean(loss, mask, num_tokens, num_seqs, scale):
+    per_seq = masked_mean(loss, mask, axis=-1)  # 0 for a sequence without valid tokens
+    return per_seq.sum() / _total(num_seqs, loss.shape[0], "num_seqs")
+
+
+def _seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, scale):
+    length = _total(scale, loss.shape[-1], "loss_scale_factor")
+    return masked_sum(loss, mask) / length / _total(num_seqs, loss.shape[0], "num_seqs")
+
+
+_AGG_MODES: dict[str, Callable[..., torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-sum": _seq_mean_token_sum,
+    "seq-mean-token-mean": _seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
+}
+LOSS_AGG_MODES = tuple(_AGG_MODES)  # the names agg_loss accepts
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    num_tokens: Optional[Number] = None,
+    num_seqs: Optional[Number] = None,
+    loss_scale_factor: Optional[Number] = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss matrix to a scalar.
+
+    With ``m`` the mask, ``N_tok = num_tokens or sum(m)``, ``N_seq = num_seqs or B``:
+
+    - ``"token-mean"``: ``sum_{i,t} loss*m / N_tok`` -- every token weighs the same.
+    - ``"seq-mean-token-sum"``: ``sum_i (sum_t loss*m) / N_seq``.
+    - ``"seq-mean-token-mean"``: ``sum_i mean_t(loss over sequence i's valid tokens) / N_seq``
+      (a sequence without valid tokens contributes 0) -- every sequence weighs the same.
+    - ``"seq-mean-token-sum-norm"``: ``sum_i (sum_t loss*m) / L / N_seq`` with the constant
+      ``L = loss_scale_factor or T`` (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783, which removes
+      GRPO's per-length normalization so long and short responses are not weighed differently).
+
+    **Micro-batches.** When a mini-batch (one optimizer step) is split into micro-batches whose
+    gradients are accumulated, pass the *mini-batch* totals as ``num_tokens`` (valid tokens) and
+    ``num_seqs`` (sequences) to every micro-batch call. Then each mode is a sum of per-micro-batch
+    terms over a fixed denominator, the micro-batch losses add up exactly to the mini-batch loss,
+    and the gradient does not depend on how the mini-batch was split. Without them each
+    micro-batch is normalized by its own counts and the split changes the weighting. For
+    ``"seq-mean-token-sum-norm"`` also pass ``loss_scale_factor`` when micro-batches may be padded
+    to different lengths ``T``. If a data-parallel all-reduce *averages* gradients over D ranks,
+    pass totals over all ranks and multiply the loss by D (or pass the totals divided by D).
+
+    Args:
+        loss_mat: ``(B, T)`` per-token loss.
+        loss_mask: ``(B, T)`` 0/1 mask; padded entries of ``loss_mat`` are ignored (even NaN).
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        num_tokens: valid-token total used by ``"token-mean"``; default ``loss_mask.sum()``
+            (an all-zero mask then gives a loss of 0).
+        num_seqs: sequence total used by the ``seq-mean-*`` modes; default ``B``.
+        loss_scale_factor: the constant ``L`` of ``"seq-mean-token-sum-norm"``; default ``T``.
+
+    Returns:
+        0-dim tensor (differentiable w.r.t. ``loss_mat``).
+
+    Raises:
+        ValueError: unknown mode (the message lists the known modes), ``loss_mat`` not 2-D or of a
+            different shape than ``loss_mask``, or a non-positive plain-number total.
+    """
+    try:
+        mode_fn = _AGG_MODES[loss_agg_mode]
+    except (KeyError, TypeError):
+        raise unknown_name_error("loss_agg_mode", loss_agg_mode, list(_AGG_MODES)) from None
+    if loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must be (batch, response_len), got shape {tuple(loss_mat.shape)}")
+    _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
+    return mode_fn(loss_mat, loss_mask, num_tokens, num_seqs, loss_scale_factor)
+
+
+# --------------------------------------------------------------------------------------------------
+# PPO losses
+# --------------------------------------------------------------------------------------------------
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: Optional[float] = None,
+    cliprange_low: Optional[float] = None,
+    cliprange_high: Optional[float] = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate loss with asymmetric clipping and dual-clip.
+
+    Per token, with ``r = exp(log_prob - old_log_prob)`` (the log-ratio clamped to [-20, 20]) and
+    advantage ``A``:
+
+    - clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7, as a loss to minimize):
+      ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``;
+    - dual-clip (Ye et al. 2020, arXiv 1912.09729, eq. 5): for ``A < 0`` the loss is further capped
+      at ``-A c``: ``l = min(l, -A c)``, so a huge ratio on a bad action cannot blow up the update.
+
+    Tokens on a clipped branch have zero gradient. The per-token losses are reduced by
+    :func:`agg_loss` with ``loss_agg_mode`` and ``agg_kwargs``.
+
+    Args:
+        old_log_prob: ``(B, T)`` log-probs of the behaviour (rollout-time) policy.
+        log_prob: ``(B, T)`` log-probs of the current policy (differentiable).
+        advantages: ``(B, T)`` advantages.
+        response_mask: ``(B, T)`` 0/1 mask of valid response tokens.
+        cliprange: eps used for both sides when ``cliprange_low``/``cliprange_high`` are None.
+        cliprange_low: eps of the lower bound ``1 - eps_low``.
+        cliprange_high: eps of the upper bound ``1 + eps_high`` (DAPO's clip-higher uses a larger one).
+        clip_ratio_c: dual-clip constant ``c > 1``.
+        loss_agg_mode: see :func:`agg_loss`.
+        **agg_kwargs: ``num_tokens`` / ``num_seqs`` / ``loss_scale_factor`` for :func:`agg_loss`.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss; the fraction of
+        valid tokens where the ratio clip is active; the masked mean of ``old_log_prob - log_prob``
+        (clamped like the log-ratio; an estimate of KL(old || new)); the fraction of valid tokens
+        where the dual-clip is active. The last three are detached.
+
+    Raises:
+        ValueError: no clip range given, ``clip_ratio_c <= 1``, or input shapes differ.
+    """
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                      response_mask=response_mask)
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high "
+                         f"(got cliprange={cliprange}, cliprange_low={cliprange_low}, cliprange_high={cliprange_high})")
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+
+    # zero padded entries first so garbage there cannot reach the loss or its gradient
+    valid = response_mask != 0
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+    log_ratio = torch.where(valid, log_prob - old_log_prob, torch.zeros_like(log_prob))
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clipped = torch.maximum(surrogate, surrogate_clipped)
+    dual_cap = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(clipped, dual_cap), clipped)
+
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((surrogate_clipped > surrogate).float(), response_mask)
+        pg_clipfrac_lower = masked_mean((negative & (clipped > dual_cap)).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss of PPO.
+
+    Per token: ``0.5 * max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2)`` with ``v`` the new
+    prediction, ``v_old`` the rollout-time value and ``R`` the return, reduced by :func:`agg_loss`.
+
+    Args:
+        vpreds: ``(B, T)`` current value predictions (differentiable).
+        returns: ``(B, T)`` regression targets (e.g. from GAE).
+        values: ``(B, T)`` value predictions at rollout time.
+        response_mask: ``(B, T)`` 0/1 mask.
+        cliprange_value: eps of the value clip.
+        loss_agg_mode: see :func:`agg_loss`.
+        **agg_kwargs: ``num_tokens`` / ``num_seqs`` / ``loss_scale_factor`` for :func:`agg_loss`.
+
+    Returns:
+        ``(vf_loss, vf_clipfrac)``: the scalar loss and the (detached) fraction of valid tokens where
+        the clipped branch is the larger one.
+
+    Raises:
+        ValueError: input shapes differ.
+    """
+    _check_same_shape(vpreds=vpreds, returns=returns, values=values, response_mask=response_mask)
+    valid = response_mask != 0
+    vpreds, returns, values = (torch.where(valid, x, torch.zeros_like(x)) for x in (vpreds, returns, values))
+    vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (vpred_clipped - returns) ** 2
+    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode,
+                             **agg_kwargs)
+    with torch.no_grad():
+        vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+# --------------------------------------------------------------------------------------------------
+# Policy-loss registry
+# --------------------------------------------------------------------------------------------------
+
+POLICY_LOSSES: Registry = Registry("policy loss")
+
+
+def register_policy_loss(name: str):
+    """Decorator registering a policy loss under ``name`` (signature: see the module docstring)."""
+    return POLICY_LOSSES.register(name)
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The policy loss registered as ``name``.
+
+    Raises:
+        UnknownNameError: (a ``KeyError`` and ``ValueError``) listing the registered names.
+    """
+    return POLICY_LOSSES.get(name)
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Registry form of :func:`compute_policy_loss`.
+
+    Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` and ``clip_ratio_c`` (default 3.0)
+    from ``config`` (the actor config) by attribute; see :func:`compute_policy_loss` for the rest.
+    """
+    return compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask,
+        cliprange=getattr(config, "clip_ratio", None),
+        cliprange_low=getattr(config, "clip_ratio_low", None),
+        cliprange_high=getattr(config, "clip_ratio_high", None),
+        clip_ratio_c=getattr(config, "clip_ratio_c", 3.0),
+        loss_agg_mode=loss_agg_mode,
+        **agg_kwargs,
+    )

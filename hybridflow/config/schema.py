@@ -1,0 +1,190 @@
+"""Typed configuration schema: every key has a type, a default and one line of doc.
+
+Key names follow verl where verl has the same concept (``data.train_batch_size``,
+``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorithm.adv_estimator`` ...), so recipes port
+easily. Differences from verl are noted on the key. Batch sizes are counted in prompts for
+``data.train_batch_size`` and ``*.ppo_mini_batch_size`` (as in verl) and in sequences for
+``*micro_batch_size_per_gpu`` ("per gpu" means per rank; on CPU a rank is a process).
+
+The YAML recipes in ``hybridflow/recipes`` are deltas on these defaults; ``hybridflow.config.load_config``
+merges a recipe and ``key=value`` overrides into this schema and rejects unknown keys and wrong types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5  # peak learning rate
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    lr_warmup_steps: int = -1  # linear warmup steps; -1 means use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: float = 0.0  # warmup as a fraction of total optimizer steps
+    lr_scheduler_type: str = "constant"  # constant | cosine (after warmup)
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = False  # keep params on host memory between phases
+    optimizer_offload: bool = False  # keep optimizer state on host memory between phases
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny-arith"  # local HF model directory, or builtin:tiny-arith (shipped with hybridflow)
+    tokenizer_path: Optional[str] = None  # defaults to path
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
+    enable_gradient_checkpointing: bool = False  # recompute activations in backward
+    trust_remote_code: bool = False  # passed to transformers
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = "fsdp2"  # training backend (only fsdp2 for now)
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n, as in verl)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
+    ppo_epochs: int = 1  # passes over the rollout batch per step
+    shuffle: bool = False  # shuffle the batch before splitting into mini-batches
+    clip_ratio: float = 0.2  # PPO clip epsilon (used for low and high when those are unset)
+    clip_ratio_low: Optional[float] = None  # lower clip epsilon (asymmetric clipping)
+    clip_ratio_high: Optional[float] = None  # upper clip epsilon (asymmetric clipping)
+    clip_ratio_c: float = 3.0  # dual-clip constant c > 1 for negative advantages (Ye et al. 2020)
+    policy_loss: str = "vanilla"  # policy-loss registry name
+    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    entropy_coeff: float = 0.0  # entropy bonus coefficient
+    use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
+    kl_loss_coef: float = 0.001  # coefficient of the KL loss
+    kl_loss_type: str = "low_var_kl"  # kl estimator for the KL loss: kl | abs | mse | low_var_kl
+    grad_clip: float = 1.0  # max global grad norm
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class SamplingConfig:
+    do_sample: bool = False  # greedy when false
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    n: int = 1  # samples per prompt
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  # rollout backend registry name: hf | vllm
+    n: int = 1  # samples per prompt
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables top-k
+    log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
+    micro_batch_size_per_gpu: int = 64  # prompts per generate() call on one rank
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward for reference logprobs
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: Optional[bool] = None  # None: enabled when the advantage estimator needs values (gae)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" means the actor's model path
+    ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n)
+    ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
+    forward_micro_batch_size_per_gpu: int = 16  # sequences per forward when computing values
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    cliprange_value: float = 0.5  # value clipping range
+    loss_agg_mode: str = "token-mean"
+    grad_clip: float = 1.0
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # (initial) KL coefficient beta
+    horizon: int = 10000  # adaptive controller horizon (Ziegler et al. 2019)
+    target_kl: float = 0.1  # adaptive controller target
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"  # advantage-estimator registry name
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE lambda
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std
+    use_kl_in_reward: bool = False  # subtract beta * KL(actor || ref) from the token rewards
+    kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[Any] = None  # parquet file or list of files; None uses the built-in task
+    val_files: Optional[Any] = None  # parquet file or list of files; None uses the built-in task
+    builtin_train_size: int = 4096  # prompts in the built-in task's train split
+    builtin_val_size: int = 128  # prompts in the built-in task's validation split
+    prompt_key: str = "prompt"  # column with the chat messages (or a plain string)
+    max_prompt_length: int = 64  # tokens; longer prompts are handled per `truncation`
+    max_response_length: int = 32  # tokens generated per response
+    truncation: str = "error"  # error | left | right | filter
+    train_batch_size: int = 32  # prompts per training step
+    val_batch_size: Optional[int] = None  # prompts per validation batch; None means the whole set
+    shuffle: bool = True
+    seed: int = 1  # data order seed
+
+
+@dataclass
+class RewardConfig:
+    reward_manager: str = "naive"  # how scores become token-level rewards
+    compute_score: str = "default"  # registered scoring function name
+
+
+@dataclass
+class RayInitConfig:
+    num_cpus: Optional[int] = None  # logical CPUs for a local cluster; None means max(cpu count, ranks needed)
+    address: Optional[str] = None  # connect to an existing cluster; RAY_ADDRESS also works
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = "hybridflow"
+    experiment_name: str = "run"
+    total_epochs: int = 1000  # upper bound on passes over the train set
+    total_training_steps: Optional[int] = None  # stop after this many steps; None means total_epochs
+    nnodes: int = 1
+    n_gpus_per_node: int = 2  # ranks per node (processes on CPU, GPUs on GPU machines)
+    device: str = "auto"  # auto | cpu | cuda
+    save_freq: int = -1  # save a checkpoint every N steps; -1 disables
+    test_freq: int = 10  # validate every N steps; -1 disables
+    val_before_train: bool = True
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    seed: int = 1  # model init / sampling seed
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+@dataclass
+class HybridFlowConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

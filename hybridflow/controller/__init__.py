@@ -1,0 +1,43 @@
+"""The single-controller layer: workers, dispatch modes, resource pools and Ray worker groups.
+
+Knows nothing about RL. See ``worker_group.py`` for the flow of one call.
+"""
+
+from hybridflow.controller.colocate import create_colocated_worker_cls
+from hybridflow.controller.decorator import Dispatch, Execute, MethodSpec, get_method_spec, register
+from hybridflow.controller.dispatch import (
+    DispatchError,
+    DispatchMode,
+    DispatchPlan,
+    MeshDispatchInfo,
+    get_dispatch_mode,
+    register_dispatch_mode,
+)
+from hybridflow.controller.futures import DataProtoFuture, WorkerError
+from hybridflow.controller.resource_pool import ResourceError, ResourcePool, ResourcePoolManager
+from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupView
+
+__all__ = [
+    "DataProtoFuture",
+    "Dispatch",
+    "DispatchError",
+    "DispatchMode",
+    "DispatchPlan",
+    "Execute",
+    "MeshDispatchInfo",
+    "MethodSpec",
+    "RayClassWithInitArgs",
+    "RayWorkerGroup",
+    "ResourceError",
+    "ResourcePool",
+    "ResourcePoolManager",
+    "Worker",
+    "WorkerError",
+    "WorkerGroupView",
+    "create_colocated_worker_cls",
+    "get_dispatch_mode",
+    "get_method_spec",
+    "register",
+    "register_dispatch_mode",
+]

@@ -1,0 +1,122 @@
+"""``register``: declare how a worker method is dispatched, executed and collected.
+
+A registered method is a step of the dataflow. The decorator stores a ``MethodSpec`` on the function;
+``RayWorkerGroup`` reads it and binds a driver-side method of the same name that
+
+1. splits the driver's arguments into per-rank arguments (the *dispatch mode*, see ``dispatch.py``),
+2. calls the method on every rank, or on rank 0 only (the *execute mode*),
+3. waits for the results and combines them (the dispatch mode's collect function), or, with
+   ``blocking=False``, returns a future at once.
+
+Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
+so a method always sees plain ``DataProto`` values.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Optional, Union
+
+from hybridflow.controller.futures import DataProtoFuture
+
+__all__ = ["Dispatch", "Execute", "MethodSpec", "register", "get_method_spec", "get_registered_methods"]
+
+
+class Dispatch(Enum):
+    """Built-in dispatch modes (see ``dispatch.py`` for what each does). Custom modes are strings."""
+
+    ONE_TO_ALL = "ONE_TO_ALL"
+    ALL_TO_ALL = "ALL_TO_ALL"
+    DP_COMPUTE_PROTO = "DP_COMPUTE_PROTO"
+    RANK_ZERO = "RANK_ZERO"
+    MESH_COMPUTE_PROTO = "MESH_COMPUTE_PROTO"
+
+
+class Execute(Enum):
+    """Which ranks run the method: every rank, or rank 0 only."""
+
+    ALL = "ALL"
+    RANK_ZERO = "RANK_ZERO"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """What ``register`` stored on a method."""
+
+    dispatch_mode: Union[Dispatch, str]
+    execute_mode: Execute
+    blocking: bool
+    mesh_name: Optional[str]
+
+
+_SPEC_ATTR = "_hf_method_spec"
+
+
+def get_method_spec(func: Any) -> Optional[MethodSpec]:
+    """The ``MethodSpec`` stored by ``register`` on ``func``, or ``None`` for an unregistered attribute."""
+    spec = getattr(func, _SPEC_ATTR, None)
+    return spec if isinstance(spec, MethodSpec) else None
+
+
+def get_registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """``{method name: MethodSpec}`` for every ``register``-ed method of ``cls`` (inherited ones included)."""
+    found = {}
+    for name in dir(cls):
+        spec = get_method_spec(getattr(cls, name, None))
+        if spec is not None:
+            found[name] = spec
+    return found
+
+
+def _materialize(value: Any) -> Any:
+    return value.get() if isinstance(value, DataProtoFuture) else value
+
+
+def register(
+    dispatch_mode: Union[Dispatch, str] = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    mesh_name: Optional[str] = None,
+) -> Callable[[Callable], Callable]:
+    """Mark a ``Worker`` method as callable on the whole group.
+
+    Args:
+        dispatch_mode: a ``Dispatch`` member or the name of a mode added with ``register_dispatch_mode``
+            (looked up when the worker group is built).
+        execute_mode: ``Execute.ALL`` (every rank runs) or ``Execute.RANK_ZERO`` (only rank 0 runs).
+        blocking: ``False`` makes the group method return at once: a ``DataProtoFuture`` for modes that
+            collect a ``DataProto``, else the list of Ray ``ObjectRef``s of the ranks whose output counts.
+        mesh_name: the layout name for ``Dispatch.MESH_COMPUTE_PROTO`` (required there, rejected elsewhere).
+
+    Raises:
+        TypeError: a wrong argument type (including ``@register`` written without parentheses).
+        ValueError: ``mesh_name`` missing for ``MESH_COMPUTE_PROTO`` or given for another mode.
+    """
+    if callable(dispatch_mode) and not isinstance(dispatch_mode, (Dispatch, str)):
+        raise TypeError("register must be called: write @register(...) (with parentheses), not @register")
+    if not isinstance(dispatch_mode, (Dispatch, str)):
+        raise TypeError(f"dispatch_mode must be a Dispatch or a registered mode name, got {dispatch_mode!r}")
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"execute_mode must be an Execute, got {execute_mode!r}")
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be a bool, got {blocking!r}")
+    if dispatch_mode is Dispatch.MESH_COMPUTE_PROTO:
+        if not isinstance(mesh_name, str) or not mesh_name:
+            raise ValueError("Dispatch.MESH_COMPUTE_PROTO needs mesh_name='<layout name>'")
+    elif mesh_name is not None:
+        raise ValueError(f"mesh_name={mesh_name!r} only applies to Dispatch.MESH_COMPUTE_PROTO, not {dispatch_mode}")
+    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name)
+
+    def decorator(func: Callable) -> Callable:
+        @functools.wraps(func)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            args = tuple(_materialize(a) for a in args)
+            kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+            return func(*args, **kwargs)
+
+        setattr(inner, _SPEC_ATTR, spec)
+        return inner
+
+    return decorator

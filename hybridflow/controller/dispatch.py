@@ -1,0 +1,303 @@
+"""Dispatch modes: how a driver-side call becomes per-rank calls, and how the outputs come back.
+
+A mode is a pair of functions (``DispatchMode``):
+
+* ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``: per-rank arguments (``plan.args[i][r]`` is
+  positional argument ``i`` for rank ``r``), the ranks whose outputs count (``collect_ranks``) and the number of
+  padding rows added to the batch (``pad_size``). ``worker_group`` offers ``world_size`` and
+  ``dispatch_info(mesh_name)``.
+* ``collect_fn(outputs) -> result``: ``outputs`` are those of ``collect_ranks``, in that order. The worker group
+  removes ``pad_size`` rows from the result afterwards.
+
+Built-in modes (``B``: batch rows, ``W``: world size, ``D``: data-parallel size of a mesh):
+
+* ``ONE_TO_ALL``: every rank gets the same arguments; result: the list of the ``W`` outputs.
+* ``ALL_TO_ALL``: every argument is a list of length ``W``; rank ``r`` gets element ``r``; result: list.
+* ``DP_COMPUTE_PROTO``: every ``DataProto`` argument is padded to a multiple of ``W`` and split into ``W``
+  chunks (rank ``r`` gets rows ``[r*k, (r+1)*k)``); other arguments are broadcast; result: the outputs
+  concatenated in rank order, padding removed. A ``DataProtoFuture`` argument is chunked lazily and cannot be
+  padded: its batch must be divisible by ``W`` (else the worker raises when it materializes its chunk).
+* ``RANK_ZERO``: same arguments everywhere; result: rank 0's output (use with ``Execute.RANK_ZERO``).
+* ``MESH_COMPUTE_PROTO`` (``mesh_name``): each rank declared ``(dp_rank, is_collect)`` for the mesh; the batch is
+  split into ``D`` chunks, each ``ray.put`` once and the same ``ObjectRef`` given to all ranks of that dp rank
+  (tensor/pipeline peers); outputs of the collecting ranks, ordered by dp rank, are concatenated and unpadded.
+
+A ``DataProto`` argument broadcast to several ranks is put into the object store once.
+
+Add a mode with ``register_dispatch_mode(name, dispatch_fn, collect_fn)`` and use it as
+``register(dispatch_mode=name)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import ray
+
+from hybridflow.controller.decorator import Dispatch
+from hybridflow.controller.futures import DataProtoFuture
+from hybridflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+
+__all__ = [
+    "DispatchError",
+    "DispatchPlan",
+    "DispatchMode",
+    "MeshDispatchInfo",
+    "Collector",
+    "register_dispatch_mode",
+    "get_dispatch_mode",
+    "dispatch_one_to_all",
+    "dispatch_all_to_all",
+    "dispatch_dp_compute_data_proto",
+    "dispatch_rank_zero",
+    "dispatch_mesh_compute_data_proto",
+    "collect_all_to_all",
+    "collect_rank_zero",
+    "collect_dp_compute_data_proto",
+]
+
+
+class DispatchError(ValueError):
+    """The arguments of a worker-group call do not fit its dispatch mode (the message says which and why)."""
+
+
+@dataclass
+class DispatchPlan:
+    """Per-rank arguments of one call and what its collect step needs.
+
+    ``args[i][r]``: positional argument ``i`` for rank ``r``; ``kwargs[name][r]`` likewise. Every list has
+    ``world_size`` entries. ``collect_ranks``: ranks whose outputs the collect function gets, in that order
+    (``None``: every executed rank, in rank order). ``pad_size``: rows to remove from the collected ``DataProto``.
+    """
+
+    args: tuple[list, ...]
+    kwargs: dict[str, list]
+    collect_ranks: Optional[list[int]] = None
+    pad_size: int = 0
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    """A dispatch function, a collect function, and whether the collected result is a ``DataProto``
+    (which decides what a ``blocking=False`` call returns: a ``DataProtoFuture`` or a list of ``ObjectRef``)."""
+
+    dispatch_fn: Callable[..., DispatchPlan]
+    collect_fn: Callable[[list], Any]
+    returns_proto: bool = False
+
+
+@dataclass(frozen=True)
+class MeshDispatchInfo:
+    """Where each rank sits in a named mesh: ``dp_rank[r]``, ``is_collect[r]``, ``dp_size``, and
+    ``collect_ranks`` (the one collecting rank of each dp rank, ordered by dp rank)."""
+
+    mesh_name: str
+    dp_rank: tuple[int, ...]
+    is_collect: tuple[bool, ...]
+    dp_size: int = field(init=False)
+    collect_ranks: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        dp_ranks = sorted(set(self.dp_rank))
+        dp_size = len(dp_ranks)
+        if dp_ranks != list(range(dp_size)):
+            raise DispatchError(
+                f"mesh {self.mesh_name!r}: dp ranks must be 0..dp_size-1 with no gap, got per-rank dp ranks "
+                f"{list(self.dp_rank)}"
+            )
+        collectors: dict[int, list[int]] = {d: [] for d in range(dp_size)}
+        for rank, (d, c) in enumerate(zip(self.dp_rank, self.is_collect)):
+            if c:
+                collectors[d].append(rank)
+        bad = {d: ranks for d, ranks in collectors.items() if len(ranks) != 1}
+        if bad:
+            listing = ", ".join(f"dp rank {d}: collecting ranks {r}" for d, r in bad.items())
+            raise DispatchError(
+                f"mesh {self.mesh_name!r}: exactly one rank per dp rank must declare is_collect=True; {listing}"
+            )
+        object.__setattr__(self, "dp_size", dp_size)
+        object.__setattr__(self, "collect_ranks", tuple(collectors[d][0] for d in range(dp_size)))
+
+
+class Collector:
+    """Picklable ``outputs of every executed rank -> result``: keep the counted positions, collect, unpad."""
+
+    def __init__(self, collect_fn: Callable[[list], Any], positions: list[int], pad_size: int) -> None:
+        self.collect_fn, self.positions, self.pad_size = collect_fn, positions, pad_size
+
+    def __call__(self, outputs: list) -> Any:
+        result = self.collect_fn([outputs[p] for p in self.positions])
+        if self.pad_size:
+            if not isinstance(result, DataProto):
+                raise TypeError(
+                    f"the batch was padded, so the collected result must be a DataProto, got {type(result).__name__}"
+                )
+            result = unpad_dataproto(result, self.pad_size)
+        return result
+
+
+# ---------------------------------------------------------------------- helpers
+def _broadcast(value: Any, n: int) -> list:
+    """``n`` copies of ``value`` for ``n`` ranks; a ``DataProto`` is put into the object store once."""
+    if isinstance(value, DataProto) and n > 1:
+        value = ray.put(value)
+    return [value] * n
+
+
+def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], put_chunks: bool):
+    """Per-rank arguments: every DataProto(Future) argument is padded and split into ``chunks`` pieces and rank
+    ``r`` gets piece ``chunk_of_rank[r]``; other arguments are broadcast.
+
+    Returns ``(args, kwargs, pad_size)``. With ``put_chunks`` each ``DataProto`` piece is ``ray.put`` once and its
+    ``ObjectRef`` shared by every rank that gets that piece.
+
+    Raises ``DispatchError`` when DataProto arguments differ in batch size, or when padding would be needed
+    alongside a ``DataProtoFuture`` (whose size is unknown).
+    """
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    sizes = {name: len(v) for name, v in named if isinstance(v, DataProto)}
+    if len(set(sizes.values())) > 1:
+        raise DispatchError(f"DataProto arguments must have the same batch size, got {sizes}")
+    pad_size = (-next(iter(sizes.values()), 0)) % chunks
+    futures = [name for name, v in named if isinstance(v, DataProtoFuture)]
+    if pad_size and futures:
+        raise DispatchError(
+            f"DataProto arguments {sizes} need {pad_size} padding rows to split into {chunks} chunks, which "
+            f"cannot be matched on the DataProtoFuture arguments {futures} (their size is unknown)"
+        )
+    world = len(chunk_of_rank)
+
+    def per_rank(value: Any) -> list:
+        if isinstance(value, DataProtoFuture):
+            pieces = value.chunk(chunks)
+        elif isinstance(value, DataProto):
+            pieces = pad_dataproto_to_divisor(value, chunks)[0].chunk(chunks)
+            if put_chunks:
+                pieces = [ray.put(p) for p in pieces]
+        else:
+            return _broadcast(value, world)
+        return [pieces[c] for c in chunk_of_rank]
+
+    return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}, pad_size
+
+
+# ---------------------------------------------------------------------- built-in modes
+def dispatch_one_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Every rank gets the same arguments."""
+    n = worker_group.world_size
+    return DispatchPlan(tuple(_broadcast(a, n) for a in args), {k: _broadcast(v, n) for k, v in kwargs.items()})
+
+
+def dispatch_all_to_all(worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Rank ``r`` gets element ``r`` of every argument.
+
+    Raises ``DispatchError`` naming the argument when one is not a list/tuple of length ``world_size``.
+    """
+    n = worker_group.world_size
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"length {len(value)}" if isinstance(value, (list, tuple)) else f"a {type(value).__name__}"
+            raise DispatchError(f"ALL_TO_ALL: {name} must be a list of length world_size={n}, got {got}")
+    return DispatchPlan(tuple(list(a) for a in args), {k: list(v) for k, v in kwargs.items()})
+
+
+def dispatch_rank_zero(worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Same arguments everywhere; only rank 0's output counts."""
+    plan = dispatch_one_to_all(worker_group, *args, **kwargs)
+    plan.collect_ranks = [0]
+    return plan
+
+
+def dispatch_dp_compute_data_proto(worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Split ``DataProto`` arguments into ``world_size`` chunks, padding if needed; broadcast the rest."""
+    n = worker_group.world_size
+    args, kwargs, pad_size = _scatter(args, kwargs, n, list(range(n)), put_chunks=False)
+    return DispatchPlan(args, kwargs, pad_size=pad_size)
+
+
+def dispatch_mesh_compute_data_proto(mesh_name: str, worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
+    """Split ``DataProto`` arguments into ``dp_size`` chunks of mesh ``mesh_name``; rank ``r`` gets the chunk of
+    its dp rank (one ``ray.put`` per chunk, shared by its peers); only collecting ranks' outputs count."""
+    info = worker_group.dispatch_info(mesh_name)
+    args, kwargs, pad_size = _scatter(args, kwargs, info.dp_size, list(info.dp_rank), put_chunks=True)
+    return DispatchPlan(args, kwargs, collect_ranks=list(info.collect_ranks), pad_size=pad_size)
+
+
+def collect_all_to_all(outputs: list) -> list:
+    """The outputs as a list, in rank order."""
+    return list(outputs)
+
+
+def collect_rank_zero(outputs: list) -> Any:
+    """The single counted output (rank 0's)."""
+    return outputs[0]
+
+
+def collect_dp_compute_data_proto(outputs: list) -> DataProto:
+    """Concatenate the counted outputs in order. Raises ``TypeError`` naming the first non-DataProto output."""
+    for i, out in enumerate(outputs):
+        if not isinstance(out, DataProto):
+            raise TypeError(
+                f"a DataProto dispatch mode needs every counted rank to return a DataProto; output {i} of "
+                f"{len(outputs)} is a {type(out).__name__}"
+            )
+    return DataProto.concat(outputs)
+
+
+# ---------------------------------------------------------------------- registry
+def _key(mode: Union[Dispatch, str]) -> str:
+    return mode.value if isinstance(mode, Dispatch) else mode
+
+
+_MODES: dict[str, DispatchMode] = {
+    _key(Dispatch.ONE_TO_ALL): DispatchMode(dispatch_one_to_all, collect_all_to_all),
+    _key(Dispatch.ALL_TO_ALL): DispatchMode(dispatch_all_to_all, collect_all_to_all),
+    _key(Dispatch.RANK_ZERO): DispatchMode(dispatch_rank_zero, collect_rank_zero),
+    _key(Dispatch.DP_COMPUTE_PROTO): DispatchMode(
+        dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, returns_proto=True
+    ),
+    _key(Dispatch.MESH_COMPUTE_PROTO): DispatchMode(
+        dispatch_mesh_compute_data_proto, collect_dp_compute_data_proto, returns_proto=True
+    ),
+}
+
+
+def register_dispatch_mode(
+    name: str,
+    dispatch_fn: Callable[..., DispatchPlan],
+    collect_fn: Callable[[list], Any],
+    returns_proto: bool = False,
+) -> None:
+    """Add a dispatch mode usable as ``register(dispatch_mode=name)``.
+
+    ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``; ``collect_fn(outputs) -> result``;
+    ``returns_proto``: the result is a ``DataProto`` (non-blocking calls then return a ``DataProtoFuture``;
+    ``collect_fn`` must then be picklable, e.g. a module-level function).
+
+    Raises ``ValueError`` when ``name`` is taken (built-in names included) and ``TypeError`` for a non-str name
+    or non-callable functions.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"dispatch mode name must be a non-empty str, got {name!r}")
+    if name in _MODES:
+        raise ValueError(f"dispatch mode {name!r} is already registered (known: {sorted(_MODES)})")
+    if not callable(dispatch_fn) or not callable(collect_fn):
+        raise TypeError("dispatch_fn and collect_fn must be callable")
+    _MODES[name] = DispatchMode(dispatch_fn, collect_fn, returns_proto)
+
+
+def get_dispatch_mode(mode: Union[Dispatch, str], mesh_name: Optional[str] = None) -> DispatchMode:
+    """The ``DispatchMode`` for ``mode``; for ``MESH_COMPUTE_PROTO`` its dispatch function is bound to ``mesh_name``.
+
+    Raises ``KeyError`` listing the known modes when ``mode`` is not registered.
+    """
+    key = _key(mode)
+    if key not in _MODES:
+        raise KeyError(f"unknown dispatch mode {mode!r}; known: {sorted(_MODES)}")
+    entry = _MODES[key]
+    if key == _key(Dispatch.MESH_COMPUTE_PROTO):
+        return DispatchMode(functools.partial(entry.dispatch_fn, mesh_name), entry.collect_fn, entry.returns_proto)
+    return entry

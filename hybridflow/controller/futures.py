@@ -1,0 +1,131 @@
+"""Futures of worker-group calls, and the error that names the failing rank.
+
+``DataProtoFuture`` is what a ``blocking=False`` method with a ``DataProto``-collecting dispatch mode
+(``DP_COMPUTE_PROTO``, ``MESH_COMPUTE_PROTO``) returns. It holds the Ray ``ObjectRef`` of every rank that
+ran, a collect function that knows whose outputs count (and removes dispatch padding), and optionally a
+per-consumer selection (``chunk``). Pass it straight to the next worker group: that group's dispatch chunks
+it lazily and each of its workers materializes only its own chunk, so the driver never calls ``ray.get``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+__all__ = ["DataProtoFuture", "WorkerError", "get_outputs"]
+
+
+class WorkerError(RuntimeError):
+    """A worker-group call failed on one rank.
+
+    Attributes: ``group`` (the worker group's name prefix), ``rank``, ``method``, ``cause`` (the Ray error,
+    whose text holds the remote traceback).
+    """
+
+    def __init__(self, group: str, rank: int, method: str, cause: BaseException) -> None:
+        self.group, self.rank, self.method, self.cause = group, rank, method, cause
+        original = getattr(cause, "cause", None)
+        if original is None:  # e.g. the actor died: the Ray error is the whole story
+            detail = f"{type(cause).__name__}: {cause}"
+        else:  # a RayTaskError: the original exception first, then Ray's text with the remote traceback
+            detail = f"{type(original).__name__}: {original}\n--- remote error ---\n{cause}"
+        super().__init__(f"worker group {group!r}: rank {rank} failed in {method}(): {detail}")
+
+    def __reduce__(self):  # keep the four fields when pickled (Ray ships errors between processes)
+        return (WorkerError, (self.group, self.rank, self.method, self.cause))
+
+
+def get_outputs(refs: Sequence[ray.ObjectRef], ranks: Sequence[int], group: str, method: str) -> list[Any]:
+    """``ray.get`` the outputs of one call, raising the first failure as a ``WorkerError`` naming its rank.
+
+    Results are awaited as they complete (``ray.wait``), so a rank that fails early is reported even while
+    its peers still block, e.g. in a collective waiting for it.
+
+    Raises:
+        WorkerError: a rank raised (``RayTaskError``) or its actor died (``RayActorError``).
+    """
+    rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(ready[0])
+        except (RayTaskError, RayActorError) as err:
+            raise WorkerError(group, rank_of[ready[0]], method, err) from err
+    return ray.get(list(refs))
+
+
+class _SelectChunk:
+    """Picklable ``DataProto -> its i-th of n chunks``, applied after an optional earlier selection."""
+
+    def __init__(self, chunks: int, index: int, before: Optional[Callable] = None) -> None:
+        self.chunks, self.index, self.before = chunks, index, before
+
+    def __call__(self, data: Any) -> Any:
+        if self.before is not None:
+            data = self.before(data)
+        if len(data) % self.chunks:
+            raise ValueError(
+                f"a DataProtoFuture of batch size {len(data)} cannot be split into {self.chunks} equal chunks: "
+                "a future's size is unknown when it is dispatched, so it cannot be padded; make the producing "
+                f"method return a batch divisible by {self.chunks} (or call .get() and pass the DataProto)"
+            )
+        return data.chunk(self.chunks)[self.index]
+
+
+class DataProtoFuture:
+    """A ``DataProto`` that will exist once some worker-group call finishes.
+
+    Args:
+        collect_fn: ``list of every executed rank's output (rank order) -> DataProto``; it selects the ranks
+            whose output counts, concatenates and unpads. Must be picklable (it travels with the future).
+        futures: the ``ObjectRef`` of every executed rank, in rank order.
+        dispatch_fn: optional ``DataProto -> DataProto`` applied after ``collect_fn`` (a consumer's chunk).
+        source: ``(group name, method, ranks of futures)``, used to name the failing rank in errors.
+    """
+
+    def __init__(
+        self,
+        collect_fn: Callable[[list], Any],
+        futures: list[ray.ObjectRef],
+        dispatch_fn: Optional[Callable[[Any], Any]] = None,
+        source: Optional[tuple[str, str, list[int]]] = None,
+    ) -> None:
+        self.collect_fn = collect_fn
+        self.futures = list(futures)
+        self.dispatch_fn = dispatch_fn
+        self.source = source or ("?", "?", list(range(len(self.futures))))
+
+    def chunk(self, chunks: int) -> list["DataProtoFuture"]:
+        """Split lazily into ``chunks`` futures; the i-th materializes to chunk i of the collected batch.
+
+        Nothing is fetched here. ``get()`` on a piece raises ``ValueError`` when the collected batch size is
+        not divisible by ``chunks`` (a future cannot be padded before its size is known).
+        """
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunk: chunks must be a positive int, got {chunks!r}")
+        return [
+            DataProtoFuture(self.collect_fn, self.futures, _SelectChunk(chunks, i, self.dispatch_fn), self.source)
+            for i in range(chunks)
+        ]
+
+    def get(self) -> Any:
+        """Wait for the producing call and return the collected (and, for a chunk, selected) ``DataProto``.
+
+        Raises:
+            WorkerError: a producing rank failed (names the producer's group, rank and method).
+            ValueError: this is a chunk of a batch whose size is not divisible by the number of chunks.
+        """
+        group, method, ranks = self.source
+        output = self.collect_fn(get_outputs(self.futures, ranks, group, method))
+        if self.dispatch_fn is not None:
+            output = self.dispatch_fn(output)
+        return output
+
+    def __repr__(self) -> str:
+        group, method, ranks = self.source
+        select = self.dispatch_fn
+        chunk = f", chunk {select.index} of {select.chunks}" if isinstance(select, _SelectChunk) else ""
+        return f"DataProtoFuture({group}.{method}, ranks={ranks}{chunk})"

@@ -1,0 +1,150 @@
+"""``Worker``: the base class of every process in a worker group.
+
+A worker is constructed inside a Ray actor that ``RayWorkerGroup`` started. Before the worker's
+``__init__`` runs, the group has set these environment variables (the same names ``torchrun`` uses, so
+``torch.distributed.init_process_group(init_method="env://")`` works unchanged):
+
+* ``RANK``, ``WORLD_SIZE``: this process's rank in the group and the group size;
+* ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: rank and count within this node's placement group;
+* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a free port it picked.
+
+Outside a worker group (a plain ``Worker()`` in a test) the defaults are rank 0 of a world of 1, and the
+worker picks ``MASTER_ADDR``/``MASTER_PORT`` itself.
+
+Subclasses call ``super().__init__()`` first. This module knows nothing about RL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Worker"]
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _node_ip() -> str:
+    """This node's IP as Ray sees it (falls back to the host name's address outside Ray)."""
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; another process could take it first)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class Worker:
+    """One rank of a worker group.
+
+    Attributes read from the environment at construction: ``rank``, ``world_size``, ``local_rank``.
+
+    Raises (from ``__init__``):
+        ValueError: ``RANK``/``WORLD_SIZE`` are not integers or ``RANK`` is not in ``[0, WORLD_SIZE)``.
+        RuntimeError: a rank other than 0 starts without ``MASTER_ADDR``/``MASTER_PORT`` (only rank 0 picks them).
+    """
+
+    def __init__(self) -> None:
+        self._rank = _env_int("RANK", 0)
+        self._world_size = _env_int("WORLD_SIZE", 1)
+        self._local_rank = _env_int("LOCAL_RANK", 0)
+        if not 0 <= self._rank < self._world_size:
+            raise ValueError(f"RANK={self._rank} is not in [0, WORLD_SIZE={self._world_size})")
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+            if self._rank != 0:
+                raise RuntimeError(
+                    f"rank {self._rank} started without MASTER_ADDR/MASTER_PORT; only rank 0 picks them "
+                    "(start workers through RayWorkerGroup, which passes rank 0's address to the others)"
+                )
+            os.environ["MASTER_ADDR"] = _node_ip()
+            os.environ["MASTER_PORT"] = str(_free_port())
+        # mesh name -> (dp_rank, is_collect); see _register_dispatch_collect_info.
+        self._mesh_dispatch_info: dict[str, tuple[int, bool]] = {}
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def rank(self) -> int:
+        """This process's rank in ``[0, world_size)``."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the worker group."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within this node's placement group (the device index on a GPU node)."""
+        return self._local_rank
+
+    @property
+    def device_name(self) -> str:
+        """``"cuda"`` when this process sees a CUDA device, else ``"cpu"``."""
+        import torch  # imported here so the controller layer stays importable without loading torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def get_master_addr_port(self) -> tuple[str, int]:
+        """Return ``(MASTER_ADDR, MASTER_PORT)``: rank 0's node IP and the port it picked for rendezvous."""
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    # ------------------------------------------------------------------ mesh dispatch info
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this rank's place in the layout ``mesh_name`` for ``Dispatch.MESH_COMPUTE_PROTO``.
+
+        Args:
+            mesh_name: the name methods pass as ``register(..., mesh_name=...)``.
+            dp_rank: this rank's data-parallel index; it receives chunk ``dp_rank`` of every batch. The group's
+                ``dp_size`` is the number of distinct dp ranks, which must be ``0 .. dp_size - 1``.
+            is_collect: whether this rank's output is kept (exactly one rank per dp rank, e.g. tp rank 0 of the
+                last pipeline stage).
+
+        Raises:
+            TypeError: ``dp_rank`` is not an int or ``is_collect`` not a bool.
+            ValueError: ``dp_rank < 0``, or ``mesh_name`` was already registered with different values.
+        """
+        if not isinstance(dp_rank, int) or isinstance(dp_rank, bool):
+            raise TypeError(f"dp_rank must be an int, got {type(dp_rank).__name__}")
+        if not isinstance(is_collect, bool):
+            raise TypeError(f"is_collect must be a bool, got {type(is_collect).__name__}")
+        if dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {dp_rank}")
+        new = (dp_rank, is_collect)
+        old = self._mesh_dispatch_info.get(mesh_name)
+        if old is not None and old != new:
+            raise ValueError(
+                f"mesh {mesh_name!r} is already registered on rank {self._rank} as (dp_rank, is_collect)={old}; "
+                f"got {new}"
+            )
+        self._mesh_dispatch_info[mesh_name] = new
+
+    def _query_dispatch_info(self, mesh_name: str) -> tuple[int, bool]:
+        """Return ``(dp_rank, is_collect)`` registered for ``mesh_name``.
+
+        Raises ``KeyError`` naming the mesh and the registered ones when this rank never registered it.
+        """
+        try:
+            return self._mesh_dispatch_info[mesh_name]
+        except KeyError:
+            raise KeyError(
+                f"rank {self._rank} has no dispatch info for mesh {mesh_name!r} (registered: "
+                f"{sorted(self._mesh_dispatch_info)}); call self._register_dispatch_collect_info("
+                f"{mesh_name!r}, dp_rank, is_collect) in __init__"
+            ) from None

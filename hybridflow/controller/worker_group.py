@@ -1,0 +1,309 @@
+"""``RayWorkerGroup``: N Ray actors running one ``Worker`` class SPMD-style, driven from the single controller.
+
+Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` in bundle ``r``), sets the
+``torchrun`` environment variables in each (see ``worker.py``) and binds every ``register``-ed method of the
+class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
+method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
+future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``).
+
+A group built from ``create_colocated_worker_cls`` holds several roles in one process per rank;
+``spawn(prefix_set)`` returns one ``WorkerGroupView`` per role.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any, Optional
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.controller.decorator import Execute, MethodSpec, get_method_spec, get_registered_methods
+from hybridflow.controller.dispatch import (
+    Collector,
+    DispatchError,
+    DispatchPlan,
+    MeshDispatchInfo,
+    get_dispatch_mode,
+)
+from hybridflow.controller.futures import DataProtoFuture, get_outputs
+from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroupView"]
+
+
+class RayClassWithInitArgs:
+    """A ``Worker`` subclass and the arguments to construct it with in every rank.
+
+    ``cls`` may be a plain class or one decorated with ``@ray.remote`` (unwrapped here; the group applies
+    ``ray.remote`` with its own options). Raises ``TypeError`` when ``cls`` is not a ``Worker`` subclass.
+    """
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        cls = getattr(cls, "__ray_actor_class__", cls)
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise TypeError(f"RayClassWithInitArgs needs a subclass of hybridflow.controller.Worker, got {cls!r}")
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    def __repr__(self) -> str:
+        return f"RayClassWithInitArgs({self.cls.__name__})"
+
+
+def _with_env(cls: type) -> type:
+    """A subclass of ``cls`` whose constructor first applies an env dict (``None`` values unset the variable),
+    so the worker's ``__init__`` sees its rank variables."""
+
+    def __init__(self: Any, hf_env: dict[str, Optional[str]], *args: Any, **kwargs: Any) -> None:
+        for key, value in hf_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        cls.__init__(self, *args, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+
+
+class _WorkerGroupBase:
+    """Binding, dispatch and execution shared by ``RayWorkerGroup`` and its per-role ``WorkerGroupView``s."""
+
+    def __init__(self, name: str, workers: list, mesh_cache: dict[str, MeshDispatchInfo]) -> None:
+        self._name = name
+        self._workers = workers
+        self._mesh_cache = mesh_cache
+        self._remote_names: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def name(self) -> str:
+        """The group's name (its name prefix; ``parent.role`` for a view)."""
+        return self._name
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks."""
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list:
+        """The Ray actor handles, in rank order."""
+        return list(self._workers)
+
+    def dispatch_info(self, mesh_name: str) -> MeshDispatchInfo:
+        """Per-rank ``(dp_rank, is_collect)`` of mesh ``mesh_name``, asked from the workers once and cached.
+
+        Raises:
+            WorkerError: a rank never registered the mesh (``Worker._register_dispatch_collect_info``).
+            DispatchError: the layout is invalid (dp ranks with a gap, not exactly one collector per dp rank).
+        """
+        if mesh_name not in self._mesh_cache:
+            refs = [w._query_dispatch_info.remote(mesh_name) for w in self._workers]
+            infos = get_outputs(refs, range(len(refs)), self._name, "_query_dispatch_info")
+            self._mesh_cache[mesh_name] = MeshDispatchInfo(
+                mesh_name, tuple(int(d) for d, _ in infos), tuple(bool(c) for _, c in infos)
+            )
+        return self._mesh_cache[mesh_name]
+
+    # ------------------------------------------------------------------ raw execution
+    def _remote_name(self, method_name: str) -> str:
+        return method_name
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call ``method_name`` with the same arguments on every rank; return the ``ObjectRef``s in rank order."""
+        remote = self._remote_name(method_name)
+        return [getattr(w, remote).remote(*args, **kwargs) for w in self._workers]
+
+    def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``execute_all_async`` and wait: the outputs in rank order. Raises ``WorkerError`` naming the rank."""
+        refs = self.execute_all_async(method_name, *args, **kwargs)
+        return get_outputs(refs, range(len(refs)), self._name, method_name)
+
+    def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method_name`` on rank 0 only and return its output. Raises ``WorkerError``."""
+        ref = getattr(self._workers[0], self._remote_name(method_name)).remote(*args, **kwargs)
+        return get_outputs([ref], [0], self._name, method_name)[0]
+
+    # ------------------------------------------------------------------ registered methods
+    def _bind(self, method_name: str, remote_name: str, spec: MethodSpec, doc: Optional[str]) -> None:
+        if hasattr(type(self), method_name):
+            raise ValueError(
+                f"registered method {method_name!r} clashes with the worker group's own attribute of that name; "
+                "rename the worker method"
+            )
+        mode = get_dispatch_mode(spec.dispatch_mode, spec.mesh_name)
+        self._remote_names[method_name] = remote_name
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call(method_name, remote_name, spec, mode, args, kwargs)
+
+        call.__name__ = method_name
+        call.__doc__ = doc
+        setattr(self, method_name, call)
+
+    def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            plan = mode.dispatch_fn(self, *args, **kwargs)
+        except DispatchError as err:
+            raise DispatchError(f"{self._name}.{method_name}(): {err}") from err
+        self._check_plan(method_name, plan)
+        ranks = list(range(self.world_size)) if spec.execute_mode is Execute.ALL else [0]
+        counted = ranks if plan.collect_ranks is None else plan.collect_ranks
+        missing = [r for r in counted if r not in ranks]
+        if missing:
+            raise DispatchError(
+                f"{self._name}.{method_name}(): its dispatch mode collects from ranks {missing}, which do not run "
+                f"under execute_mode={spec.execute_mode}"
+            )
+        refs = [
+            getattr(self._workers[r], remote_name).remote(
+                *(a[r] for a in plan.args), **{k: v[r] for k, v in plan.kwargs.items()}
+            )
+            for r in ranks
+        ]
+        collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], plan.pad_size)
+        if not spec.blocking:
+            if mode.returns_proto:
+                return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks))
+            return [refs[ranks.index(r)] for r in counted]
+        return collector(get_outputs(refs, ranks, self._name, method_name))
+
+    def _check_plan(self, method_name: str, plan: DispatchPlan) -> None:
+        n = self.world_size
+        lengths = {f"argument {i}": len(a) for i, a in enumerate(plan.args)}
+        lengths.update({f"argument {k!r}": len(v) for k, v in plan.kwargs.items()})
+        bad = {k: v for k, v in lengths.items() if v != n}
+        if bad:
+            raise DispatchError(
+                f"{self._name}.{method_name}(): the dispatch function must give one value per rank "
+                f"({n}), got lengths {bad}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._name!r}, world_size={self.world_size})"
+
+
+class RayWorkerGroup(_WorkerGroupBase):
+    """One Ray actor per bundle of ``resource_pool``, running ``ray_cls_with_init``; registered methods bound.
+
+    Args:
+        resource_pool: where the ranks run (rank ``r`` in bundle ``r``, nodes in order).
+        ray_cls_with_init: the ``Worker`` subclass and its constructor arguments.
+        name_prefix: the group's name in errors and logs (default: class name + random suffix).
+        num_cpus_per_worker: CPUs each actor asks for (default: ``cpus_per_bundle / max_colocate_count``, so
+            up to ``max_colocate_count`` groups fit on one pool). Each actor also takes
+            ``1 / max_colocate_count`` GPU when the pool uses GPUs.
+        bin_pack: ``True`` pins rank ``r`` to bundle ``r`` (ranks of groups sharing a pool line up on the same
+            device); ``False`` lets Ray pick any bundle of the rank's node placement group (only for a group
+            that shares its pool with no other).
+
+    Rank 0 starts first and picks ``MASTER_ADDR``/``MASTER_PORT``; the other ranks start with them. The
+    constructor returns once every rank's ``__init__`` finished.
+
+    Raises:
+        TypeError: ``ray_cls_with_init`` is not a ``RayClassWithInitArgs``.
+        ValueError: the pool has no placement groups (removed), or a registered method name clashes with a
+            group attribute.
+        KeyError: a method uses a dispatch mode that is not registered.
+        WorkerError: a rank's ``__init__`` failed (the started actors are killed).
+    """
+
+    def __init__(
+        self,
+        resource_pool: ResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        name_prefix: Optional[str] = None,
+        num_cpus_per_worker: Optional[float] = None,
+        bin_pack: bool = True,
+    ) -> None:
+        if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
+            raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
+        cls = ray_cls_with_init.cls
+        super().__init__(name_prefix or f"{cls.__name__}_{uuid.uuid4().hex[:6]}", [], {})
+        self._cls = cls
+        placements = [
+            (pg, index, count)
+            for pg, count in zip(resource_pool.placement_groups, resource_pool.process_on_nodes)
+            for index in range(count)
+        ]
+        if not placements:
+            raise ValueError(f"{resource_pool!r} has no placement groups (was it removed?)")
+        # Bind first: a bad registration fails before any actor starts.
+        for method_name, spec in get_registered_methods(cls).items():
+            self._bind(method_name, method_name, spec, getattr(cls, method_name).__doc__)
+
+        share = resource_pool.max_colocate_count
+        options = {
+            "num_cpus": resource_pool.cpus_per_bundle / share if num_cpus_per_worker is None else num_cpus_per_worker,
+            "num_gpus": 1 / share if resource_pool.use_gpu else 0,
+        }
+        actor_cls = ray.remote(_with_env(cls))
+        world = len(placements)
+
+        def start(rank: int, master: dict[str, Optional[str]]) -> Any:
+            pg, index, count = placements[rank]
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index if bin_pack else -1
+            )
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(index),
+                   "LOCAL_WORLD_SIZE": str(count), **master}
+            worker = actor_cls.options(scheduling_strategy=strategy, **options).remote(
+                env, *ray_cls_with_init.args, **ray_cls_with_init.kwargs
+            )
+            self._workers.append(worker)
+            return worker
+
+        try:
+            rank0 = start(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
+            get_outputs([rank0.__ray_ready__.remote()], [0], self._name, "__init__")
+            addr, port = get_outputs([rank0.get_master_addr_port.remote()], [0], self._name, "get_master_addr_port")[0]
+            others = [start(r, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}) for r in range(1, world)]
+            get_outputs([w.__ray_ready__.remote() for w in others], range(1, world), self._name, "__init__")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("worker group %s: %d ranks of %s, master %s:%s", self._name, world, cls.__name__, addr, port)
+
+    def spawn(self, prefix_set: Any) -> dict[str, "WorkerGroupView"]:
+        """One ``WorkerGroupView`` per role prefix of a group built from ``create_colocated_worker_cls``.
+
+        Raises ``TypeError`` for a group of a plain class and ``KeyError`` listing the roles for unknown prefixes.
+        """
+        roles = getattr(self._cls, "_hf_colocated_roles", None)
+        if roles is None:
+            raise TypeError(f"{self._name}: spawn() needs a group built from create_colocated_worker_cls(...)")
+        unknown = sorted(set(prefix_set) - set(roles))
+        if unknown:
+            raise KeyError(f"{self._name}: unknown role prefixes {unknown}; roles: {sorted(roles)}")
+        return {prefix: WorkerGroupView(self, prefix, roles[prefix]) for prefix in prefix_set}
+
+    def shutdown(self) -> None:
+        """Kill every actor of the group (views spawned from it stop working). Safe to call twice."""
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers.clear()
+
+
+class WorkerGroupView(_WorkerGroupBase):
+    """One role of a colocated ``RayWorkerGroup``: same actors, the role's methods under their own names.
+
+    ``view.update_actor(batch)`` calls the actors' ``actor_update_actor``; ``execute_all_async`` and friends
+    take the role's unprefixed method names (registered methods only).
+    """
+
+    def __init__(self, parent: RayWorkerGroup, prefix: str, methods: dict[str, str]) -> None:
+        super().__init__(f"{parent.name}.{prefix}", parent._workers, parent._mesh_cache)
+        self.prefix = prefix
+        for method_name, remote_name in methods.items():
+            func = getattr(parent._cls, remote_name)
+            self._bind(method_name, remote_name, get_method_spec(func), func.__doc__)
+
+    def _remote_name(self, method_name: str) -> str:
+        if method_name not in self._remote_names:
+            raise KeyError(f"role {self.prefix!r} has no registered method {method_name!r}; "
+                           f"methods: {sorted(self._remote_names)}")
+        return self._remote_names[method_name]

@@ -1,0 +1,35 @@
+"""SPMD helpers used inside a worker group: process groups, device meshes, FSDP2 wrapping."""
+
+from hybridflow.distributed.fsdp import (
+    apply_fsdp2,
+    clip_grad_norm,
+    iter_full_state,
+    offload_module,
+    onload_module,
+    offload_optimizer,
+    onload_optimizer,
+)
+from hybridflow.distributed.init import (
+    all_reduce_mean,
+    all_reduce_sum,
+    build_mesh,
+    get_device_name,
+    init_distributed,
+    resolve_dtype,
+)
+
+__all__ = [
+    "all_reduce_mean",
+    "all_reduce_sum",
+    "apply_fsdp2",
+    "build_mesh",
+    "clip_grad_norm",
+    "get_device_name",
+    "init_distributed",
+    "iter_full_state",
+    "offload_module",
+    "offload_optimizer",
+    "onload_module",
+    "onload_optimizer",
+    "resolve_dtype",
+]

@@ -1,0 +1,78 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) wrapping, full-weight iteration and host offload."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> torch.nn.Module:
+    """Shard ``model`` over the 1-D ``mesh`` (the dp axis): every decoder block (the classes a HF model lists
+    in ``_no_split_modules``) is its own FSDP unit, then the root (embeddings, norm, heads).
+
+    Parameter names are unchanged (FSDP2 swaps parameters for DTensors in place), so HF names still address
+    them. Tied input/output embeddings stay tied.
+    """
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in block_names:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, full tensor)`` for every parameter and buffer, gathering DTensor shards one at a time.
+
+    Every rank of the mesh must consume the iterator in the same order (each DTensor gather is a
+    collective). Peak extra memory is one full tensor.
+    """
+    for name, tensor in model.state_dict().items():
+        yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip the global gradient norm (across all shards) to ``max_norm``; returns the pre-clip norm.
+
+    A non-finite norm is returned as is and the gradients are left untouched, so the caller can skip the step.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if torch.isfinite(norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
+
+
+def offload_module(model: torch.nn.Module) -> None:
+    """Move parameters (and grads) to host memory; a no-op on CPU."""
+    if next(model.parameters()).device.type != "cpu":
+        model.to("cpu")
+
+
+def onload_module(model: torch.nn.Module, device: str) -> None:
+    """Bring parameters back to ``device``; a no-op when they are already there."""
+    if next(model.parameters()).device.type != device:
+        model.to(device)
+
+
+def _move_optimizer_state(optimizer: torch.optim.Optimizer, device: str) -> None:
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type != device:
+                state[key] = value.to(device, non_blocking=True)
+
+
+def offload_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Move the optimizer state (Adam moments) to host memory."""
+    _move_optimizer_state(optimizer, "cpu")
+
+
+def onload_optimizer(optimizer: torch.optim.Optimizer, device: str) -> None:
+    """Move the optimizer state back to ``device``."""
+    _move_optimizer_state(optimizer, device)

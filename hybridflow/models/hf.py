@@ -1,0 +1,89 @@
+"""Loading Hugging Face causal LMs, value models and tokenizers from local directories.
+
+Pad-token rule (documented for users): when the tokenizer has no pad token, hybridflow uses its eos token as
+pad. This never breaks the ``response_mask``, because the rollout derives the mask from the step at which each
+row finished, never by comparing tokens with the pad id.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, GenerationConfig
+
+from hybridflow.models.builtin import resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def _quiet_transformers() -> None:
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _check_dir(path: str) -> str:
+    local = resolve_model_path(path)
+    if not os.path.isdir(local):
+        raise FileNotFoundError(
+            f"model path {path!r} is not a local directory; hybridflow never downloads weights, "
+            "so pass a local Hugging Face model directory (or builtin:tiny-arith)"
+        )
+    return local
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """Tokenizer from a local model directory, with a pad token guaranteed (see the module's pad-token rule).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a local directory.
+        ValueError: the tokenizer has neither a pad nor an eos token.
+    """
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(_check_dir(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer at {path!r} has neither a pad token nor an eos token; set one of them")
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info("tokenizer has no pad token: using eos %r as pad", tokenizer.eos_token)
+    return tokenizer
+
+
+def get_eos_token_ids(path: str, tokenizer) -> list[int]:
+    """Every id that ends generation: the tokenizer's eos plus all of ``generation_config.eos_token_id``."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    try:
+        gen_eos = GenerationConfig.from_pretrained(_check_dir(path)).eos_token_id
+    except OSError:  # no generation_config.json
+        gen_eos = None
+    if gen_eos is not None:
+        ids.extend(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    if not ids:
+        raise ValueError(f"model at {path!r} defines no eos token (tokenizer or generation_config)")
+    return sorted(set(ids))
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """``AutoModelForCausalLM`` from a local directory, in ``dtype``, on CPU (callers move/shard it)."""
+    _quiet_transformers()
+    return AutoModelForCausalLM.from_pretrained(_check_dir(path), dtype=dtype, trust_remote_code=trust_remote_code)
+
+
+def load_value_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A value model: the same architecture with a scalar head per token (``AutoModelForTokenClassification``
+    with ``num_labels=1``); the backbone comes from the checkpoint, the head is freshly initialised unless the
+    checkpoint has one. Output ``logits`` are ``(B, L, 1)``.
+    """
+    _quiet_transformers()
+    model = AutoModelForTokenClassification.from_pretrained(
+        _check_dir(path), num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    # Dropout on a value head makes value estimates noisy between the rollout and training passes.
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model

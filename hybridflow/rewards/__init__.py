@@ -1,0 +1,60 @@
+"""Rule rewards, looked up by a row's ``data_source``.
+
+``register_reward(*data_sources)`` registers a scorer ``fn(solution_str, ground_truth, extra_info)
+-> float`` for one or more data sources; ``default_compute_score`` dispatches to it (verl's name and
+argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hybridflow.rewards import gsm8k
+
+RewardFn = Callable[[str, str, Any], float]
+REWARD_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` for data sources.
+
+    Raises:
+        ValueError: no data source given, or one is already registered.
+    """
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data_source")
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        for source in data_sources:
+            if source in REWARD_REGISTRY:
+                raise ValueError(f"reward for data_source {source!r} is already registered")
+            REWARD_REGISTRY[source] = fn
+        return fn
+
+    return decorator
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None
+) -> float:
+    """Score one decoded response with the reward registered for ``data_source``.
+
+    Raises:
+        ValueError: no reward is registered for ``data_source`` (the message lists the known ones).
+    """
+    try:
+        fn = REWARD_REGISTRY[data_source]
+    except KeyError:
+        raise ValueError(
+            f"no reward registered for data_source {data_source!r}; "
+            f"known data sources: {sorted(REWARD_REGISTRY)}"
+        ) from None
+    return float(fn(solution_str, ground_truth, extra_info))
+
+
+@register_reward("openai/gsm8k", "hybridflow/arith")
+def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    return gsm8k.compute_score(solution_str, ground_truth, method="strict")
+
+
+__all__ = ["REWARD_REGISTRY", "default_compute_score", "register_reward", "gsm8k"]

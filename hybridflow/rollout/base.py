@@ -1,0 +1,128 @@
+"""The rollout-backend contract and its registry.
+
+A rollout backend turns a batch of left-padded prompts into prompt + response sequences. The actor
+worker owns one backend and drives it through a small lifecycle:
+
+1. construct it (model, sampling config, special token ids);
+2. ``load_weights(...)`` whenever the trainer's parameters changed (after each optimizer step, or after
+   a ``wake()`` from a sleep that discarded weights);
+3. ``generate_sequences(prompts)`` any number of times while awake;
+4. ``sleep()`` before the trainer needs the memory (update phase), ``wake()`` before the next
+   generation. While asleep, ``generate_sequences`` and ``load_weights`` raise :class:`RolloutAsleepError`.
+
+Backends register under a name with :func:`register_rollout` and are looked up with
+:func:`get_rollout_class` (the ``actor_rollout_ref.rollout.name`` config key).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Callable, Iterable
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from hybridflow.protocol import DataProto
+
+__all__ = [
+    "BaseRollout",
+    "RolloutAsleepError",
+    "get_rollout_class",
+    "register_rollout",
+    "registered_rollouts",
+]
+
+
+class RolloutAsleepError(RuntimeError):
+    """Raised when a sleeping rollout backend is asked to generate or to load weights."""
+
+
+class BaseRollout(abc.ABC):
+    """A generation backend: prompts in, prompt + response sequences out (see the module lifecycle)."""
+
+    @abc.abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate responses for a batch of left-padded prompts.
+
+        Args:
+            prompts: tensors ``input_ids``, ``attention_mask``, ``position_ids``, each (B, P).
+                ``meta_info`` may override sampling parameters for this call (backend-specific keys).
+
+        Returns:
+            A DataProto with (B*n) rows, prompt i's n samples at rows i*n .. i*n+n-1, holding at least
+            ``prompts`` (B*n, P), ``responses`` (B*n, R), ``input_ids``, ``attention_mask``,
+            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R) and ``rollout_log_probs`` (B*n, R).
+            B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
+
+        Raises:
+            RolloutAsleepError: if called between ``sleep()`` and ``wake()``.
+        """
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy parameters into the engine's model by name (Hugging Face parameter names).
+
+        The iterable may be a generator and may cover only part of the model (weights can be streamed in
+        several calls). A weight for one of several tied parameters (e.g. ``lm_head.weight`` and
+        ``model.embed_tokens.weight``) updates all of them.
+
+        Raises:
+            KeyError: a name that the model does not have (the message lists a few known names).
+            ValueError: a tensor whose shape differs from the parameter's.
+            RolloutAsleepError: if called while asleep.
+        """
+
+    @abc.abstractmethod
+    def sleep(self, level: int = 1) -> None:
+        """Release the memory the backend holds, until :meth:`wake`.
+
+        Level 1 keeps the weights (offloaded to host memory), level 2 discards them, so the caller must
+        call :meth:`load_weights` for every parameter after :meth:`wake`. KV caches are freed in both.
+        Sleeping twice is a no-op.
+        """
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Undo :meth:`sleep`; waking an awake backend is a no-op."""
+
+
+_ROLLOUT_REGISTRY: dict[str, type[BaseRollout]] = {}
+
+
+def register_rollout(name: str) -> Callable[[type[BaseRollout]], type[BaseRollout]]:
+    """Class decorator registering a :class:`BaseRollout` subclass under ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered to a different class.
+        TypeError: the decorated class is not a :class:`BaseRollout` subclass.
+    """
+
+    def decorator(cls: type[BaseRollout]) -> type[BaseRollout]:
+        if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
+            raise TypeError(f"register_rollout({name!r}) expects a BaseRollout subclass, got {cls!r}")
+        existing = _ROLLOUT_REGISTRY.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(f"rollout backend {name!r} is already registered to {existing.__qualname__}")
+        _ROLLOUT_REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def registered_rollouts() -> list[str]:
+    """Sorted names of the registered rollout backends."""
+    return sorted(_ROLLOUT_REGISTRY)
+
+
+def get_rollout_class(name: str) -> type[BaseRollout]:
+    """The rollout backend class registered under ``name``.
+
+    Raises:
+        KeyError: unknown name; the message lists the registered names.
+    """
+    try:
+        return _ROLLOUT_REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown rollout backend {name!r}; registered backends: {', '.join(registered_rollouts()) or 'none'}"
+        ) from None

@@ -1,0 +1,403 @@
+"""``hf`` rollout backend: a hand-written decoding loop over a Hugging Face causal LM with a KV cache.
+
+Runs anywhere PyTorch runs (the CPU default). We decode ourselves instead of calling ``model.generate``
+so the log-probability of each sampled token is taken under exactly the distribution it was drawn from
+(temperature, top-k and top-p applied, then renormalized), which is what importance-sampling corrections
+between the rollout and the trainer need.
+
+Shape legend: B prompts, n samples per prompt, N = B*n rows, P prompt tokens, R = response_length
+response tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import time
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+from transformers import DynamicCache
+
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFRollout"]
+
+_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
+
+
+def _as_id_list(ids: Union[int, Sequence[int], None]) -> list[int]:
+    """Normalize an int, a sequence of ints or None to a list of ints."""
+    if ids is None:
+        return []
+    if isinstance(ids, int):
+        return [ids]
+    return [int(i) for i in ids]
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k, then outside the nucleus of mass top_p, to -inf.
+
+    Args:
+        logits: (N, V) float, already divided by the temperature.
+        top_k: keep the k largest logits per row (ties at the k-th value are kept); <= 0 disables.
+        top_p: keep the smallest prefix of tokens, by decreasing probability, whose mass reaches
+            top_p (the most likely token is always kept); 1.0 disables. Holtzman et al. 2020, Sec. 3.1.
+
+    Returns:
+        (N, V) float, the filtered logits (a new tensor).
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth_value = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_remove = mass_before >= top_p
+        sorted_remove[:, 0] = False
+        remove = torch.zeros_like(sorted_remove).scatter(-1, sorted_idx, sorted_remove)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def _next_tokens(
+    logits: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: Optional[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row and its log-probability.
+
+    Greedy (``do_sample`` false or ``temperature == 0``): argmax, logprob under log_softmax(logits).
+    Sampling: draw from softmax(filter(logits / temperature)); the logprob is under that same
+    renormalized distribution.
+
+    Args:
+        logits: (N, V) float32 logits of the last position.
+
+    Returns:
+        tokens (N,) long, logprobs (N,) float32.
+    """
+    if not do_sample or temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1)
+    else:
+        logprobs = _filter_logits(logits / temperature, top_k, top_p).log_softmax(dim=-1)
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _param_alias_groups(module: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that share one tensor (tied weights), one list per shared tensor."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(module: torch.nn.Module, alias_groups: list[list[str]]) -> None:
+    """Make every name of each alias group point at the group's first parameter again.
+
+    Device moves through ``Module.to``/``to_empty`` may replace parameter objects one by one, which
+    unties tied weights; this restores the sharing recorded at construction.
+    """
+    for names in alias_groups:
+        shared = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner_name, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner_name), leaf, shared)
+
+
+@register_rollout("hf")
+class HFRollout(BaseRollout):
+    """Rollout backend over a Hugging Face causal LM, decoding with ``DynamicCache``.
+
+    Args:
+        module: a ``transformers`` causal LM (``PreTrainedModel``). It is used in place (not copied), so
+            it may be shared with a trainer; generation switches it to eval mode and restores its mode.
+        config: attribute-access sampling config: ``response_length`` (int, max new tokens), ``n``
+            (samples per prompt), ``do_sample``, ``temperature``, ``top_p``, ``top_k`` (-1 disables),
+            ``micro_batch_size`` (prompts per decoding loop).
+        eos_token_id: id or ids that end a response.
+        pad_token_id: id written to response slots after a row's end.
+
+    Per-call ``meta_info`` overrides: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ``n``,
+    ``response_length``; ``eos_token_id`` (int or list) ids are *added* to the constructor's ids; ``seed``
+    (int): sampling draws from a ``torch.Generator`` seeded with it, so the same call (same prompts, same
+    config and ``micro_batch_size``, same device) returns the same samples. Without a seed, sampling uses
+    the global torch RNG.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: Any,
+        eos_token_id: Union[int, Sequence[int]],
+        pad_token_id: int,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.eos_token_ids = _as_id_list(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        if not self.eos_token_ids:
+            raise ValueError("HFRollout needs at least one eos_token_id, got none")
+        self._alias_groups = _param_alias_groups(module)
+        self._device = next(module.parameters()).device
+        self._sleep_level = 0  # 0 awake, 1 weights offloaded, 2 weights discarded
+        self._missing_weights: set[str] = set()  # parameters to load before generating (after level-2 sleep)
+        self._buffer_backup: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate responses for left-padded prompts (see :meth:`BaseRollout.generate_sequences`).
+
+        Args:
+            prompts: ``input_ids`` (B, P) long, ``attention_mask`` (B, P) with 0 on left padding,
+                ``position_ids`` (B, P) long. ``meta_info`` overrides as in the class docstring.
+
+        Returns:
+            DataProto on the device of ``prompts.batch["input_ids"]``, N = B*n rows, interleaved
+            (p0, p0, p1, p1, ...), tensors:
+            ``prompts`` (N, P) long; ``responses`` (N, R) long, pad_token_id after a row's end;
+            ``input_ids`` (N, P+R) = cat(prompts, responses); ``attention_mask`` (N, P+R) = cat(prompt
+            mask, response_mask); ``position_ids`` (N, P+R): prompt positions, then last prompt position
+            + 1, + 2, ... for every response slot, padded ones included; ``response_mask`` (N, R) long, 1 on
+            generated tokens up to and including the first eos; ``rollout_log_probs`` (N, R) float32,
+            logprob of each token under the distribution it was drawn from, 0 where response_mask is 0.
+            meta_info: ``num_generated_tokens`` (int, sum of response_mask), ``generate_seconds`` (float).
+            The input's non-tensor columns and meta_info are not carried over; repeat the input batch with
+            ``repeat(n, interleave=True)`` to align it with the output.
+
+        Raises:
+            RolloutAsleepError: called while asleep, or before reloading weights after a level-2 sleep.
+            KeyError: a prompt tensor is missing.
+            ValueError: prompt tensors of different shapes, or invalid sampling parameters.
+        """
+        self._check_ready()
+        params = self._sampling_params(prompts.meta_info)
+        input_ids, attention_mask, position_ids = self._prompt_tensors(prompts)
+        out_device = input_ids.device
+        n, response_length = params["n"], params["response_length"]
+        if n > 1:
+            input_ids, attention_mask, position_ids = (
+                t.repeat_interleave(n, dim=0) for t in (input_ids, attention_mask, position_ids)
+            )
+        eos_ids = torch.tensor(
+            sorted(set(self.eos_token_ids + _as_id_list(prompts.meta_info.get("eos_token_id")))),
+            device=self._device,
+        )
+        generator = None
+        if prompts.meta_info.get("seed") is not None:
+            generator = torch.Generator(device=self._device).manual_seed(int(prompts.meta_info["seed"]))
+
+        rows_per_call = max(1, int(self.config.micro_batch_size)) * n
+        start = time.perf_counter()
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            chunks = [
+                self._decode(
+                    input_ids[i : i + rows_per_call].to(self._device),
+                    attention_mask[i : i + rows_per_call].to(self._device),
+                    position_ids[i : i + rows_per_call].to(self._device),
+                    eos_ids,
+                    params,
+                    generator,
+                )
+                for i in range(0, input_ids.shape[0], rows_per_call)
+            ]
+        finally:
+            self.module.train(was_training)
+        seconds = time.perf_counter() - start
+        responses, response_mask, log_probs = (torch.cat(parts).to(out_device) for parts in zip(*chunks))
+
+        last_position = position_ids[:, -1:]
+        steps = torch.arange(1, response_length + 1, device=out_device, dtype=position_ids.dtype)
+        tensors = {
+            "prompts": input_ids,
+            "responses": responses,
+            "input_ids": torch.cat([input_ids, responses], dim=1),
+            "attention_mask": torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1),
+            "position_ids": torch.cat([position_ids, last_position + steps], dim=1),
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+        }
+        num_tokens = int(response_mask.sum())
+        logger.debug("hf rollout: %d rows, %d tokens in %.3fs", input_ids.shape[0], num_tokens, seconds)
+        return DataProto.from_dict(
+            tensors=tensors, meta_info={"num_generated_tokens": num_tokens, "generate_seconds": seconds}
+        )
+
+    @torch.no_grad()
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        eos_ids: torch.Tensor,
+        params: dict[str, Any],
+        generator: Optional[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode one micro-batch of (N, P) prompts; returns responses (N, R), response_mask (N, R),
+        logprobs (N, R) float32, on the model's device."""
+        rows, length = input_ids.shape[0], params["response_length"]
+        responses = torch.full((rows, length), self.pad_token_id, dtype=torch.long, device=input_ids.device)
+        log_probs = torch.zeros((rows, length), dtype=torch.float32, device=input_ids.device)
+        # response tokens per row: the step at which the row emitted its eos (1-based), else R
+        lengths = torch.full((rows,), length, dtype=torch.long, device=input_ids.device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        cache = DynamicCache(config=self.module.config)
+        step_ids, step_positions = input_ids, position_ids
+        mask = attention_mask
+        for step in range(length):
+            output = self.module(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = output.logits[:, -1, :].float()
+            tokens, token_log_probs = _next_tokens(
+                logits, params["do_sample"], params["temperature"], params["top_k"], params["top_p"], generator
+            )
+            tokens = tokens.masked_fill(finished, self.pad_token_id)
+            log_probs[:, step] = token_log_probs.masked_fill(finished, 0.0)
+            responses[:, step] = tokens
+            newly_finished = ~finished & torch.isin(tokens, eos_ids)
+            lengths[newly_finished] = step + 1
+            finished |= newly_finished
+            if bool(finished.all()):
+                break
+            step_ids = tokens.unsqueeze(-1)
+            step_positions = position_ids[:, -1:] + step + 1
+            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
+        del cache
+        response_mask = (torch.arange(length, device=input_ids.device) < lengths.unsqueeze(-1)).long()
+        return responses, response_mask, log_probs
+
+    def _sampling_params(self, meta_info: dict[str, Any]) -> dict[str, Any]:
+        """Config values overridden by ``meta_info``, validated."""
+        params = {key: meta_info.get(key, getattr(self.config, key)) for key in _SAMPLING_KEYS}
+        params["do_sample"] = bool(params["do_sample"])
+        params["temperature"] = float(params["temperature"])
+        params["top_p"] = float(params["top_p"])
+        params["top_k"] = int(params["top_k"])
+        params["n"] = int(params["n"])
+        params["response_length"] = int(params["response_length"])
+        problems = []
+        if params["n"] < 1:
+            problems.append(f"n must be >= 1, got {params['n']}")
+        if params["response_length"] < 1:
+            problems.append(f"response_length must be >= 1, got {params['response_length']}")
+        if params["temperature"] < 0:
+            problems.append(f"temperature must be >= 0, got {params['temperature']}")
+        if not 0.0 < params["top_p"] <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {params['top_p']}")
+        if params["top_k"] == 0 or params["top_k"] < -1:
+            problems.append(f"top_k must be -1 (off) or >= 1, got {params['top_k']}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+        return params
+
+    @staticmethod
+    def _prompt_tensors(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        missing = [key for key in _PROMPT_KEYS if key not in prompts.batch.keys()]
+        if missing:
+            raise KeyError(f"generate_sequences needs prompt tensors {list(_PROMPT_KEYS)}; missing {missing}")
+        input_ids, attention_mask, position_ids = (prompts.batch[key] for key in _PROMPT_KEYS)
+        shapes = {key: tuple(prompts.batch[key].shape) for key in _PROMPT_KEYS}
+        if len(set(shapes.values())) != 1 or input_ids.dim() != 2:
+            raise ValueError(f"prompt tensors must all be (B, P); got shapes {shapes}")
+        return input_ids, attention_mask, position_ids
+
+    # ------------------------------------------------------------------ weights and memory
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy ``(name, tensor)`` pairs into the module's parameters (or buffers) in place.
+
+        Tensors are cast to the parameter's dtype and device. Tied parameters share one tensor, so a
+        weight for any of their names (``lm_head.weight`` or ``model.embed_tokens.weight``) updates all.
+
+        Raises:
+            KeyError: unknown name (the message lists close and a few known names).
+            ValueError: shape mismatch.
+            RolloutAsleepError: called while asleep.
+        """
+        if self._sleep_level:
+            raise RolloutAsleepError("HFRollout.load_weights called while asleep; call wake() first")
+        targets = dict(self.module.named_parameters(remove_duplicate=False))
+        targets.update(self.module.named_buffers(remove_duplicate=False))
+        aliases = {name: group for group in self._alias_groups for name in group}
+        with torch.no_grad():
+            for name, tensor in weights:
+                target = targets.get(name)
+                if target is None:
+                    close = difflib.get_close_matches(name, targets, n=3)
+                    raise KeyError(
+                        f"load_weights: model has no parameter {name!r}; close names: {close}; "
+                        f"first known names: {list(targets)[:5]}"
+                    )
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"load_weights: {name!r} has shape {tuple(target.shape)}, got {tuple(tensor.shape)}"
+                    )
+                target.copy_(tensor)
+                self._missing_weights.difference_update(aliases.get(name, [name]))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free memory until :meth:`wake` (see :meth:`BaseRollout.sleep`).
+
+        Level 1 moves the module to CPU (on a CPU model nothing is freed); level 2 moves its parameters to
+        the ``meta`` device (buffers such as rotary frequencies are kept on CPU), so every parameter must
+        be reloaded with :meth:`load_weights` after :meth:`wake`. Do not use level 2 when the module is
+        shared with a trainer. The KV cache lives only inside a generate call, so nothing else is held.
+
+        Raises:
+            ValueError: ``level`` is not 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard weights), got {level}")
+        if self._sleep_level:
+            return
+        if level == 2:
+            self._buffer_backup = {
+                name: buf.detach().to("cpu", copy=True) for name, buf in self.module.named_buffers()
+            }
+            self.module.to("meta")
+        else:
+            self.module.to("cpu")
+        _retie(self.module, self._alias_groups)
+        self._sleep_level = level
+
+    def wake(self) -> None:
+        """Bring the module back to its device; after a level-2 sleep its weights are uninitialized until
+        :meth:`load_weights` has covered every parameter (generate raises until then)."""
+        if not self._sleep_level:
+            return
+        if self._sleep_level == 2:
+            self.module.to_empty(device=self._device)
+            with torch.no_grad():
+                for name, buf in self.module.named_buffers():
+                    buf.copy_(self._buffer_backup[name])
+            self._buffer_backup = {}
+            self._missing_weights = {name for name, _ in self.module.named_parameters(remove_duplicate=False)}
+        else:
+            self.module.to(self._device)
+        _retie(self.module, self._alias_groups)
+        self._sleep_level = 0
+
+    def _check_ready(self) -> None:
+        if self._sleep_level:
+            raise RolloutAsleepError("HFRollout.generate_sequences called while asleep; call wake() first")
+        if self._missing_weights:
+            raise RolloutAsleepError(
+                f"HFRollout woke from a level-2 sleep but {len(self._missing_weights)} parameters were not "
+                f"reloaded (e.g. {sorted(self._missing_weights)[:3]}); call load_weights first"
+            )

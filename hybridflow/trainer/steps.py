@@ -1,0 +1,85 @@
+"""Driver-side steps of the PPO family that are light tensor math over the whole batch.
+
+They run on the driver because they need the whole batch (advantage whitening and GRPO groups span all dp
+chunks) and cost O(B x R), far less than moving the batch to a worker and back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean
+from hybridflow.protocol import DataProto
+from hybridflow.workers.timing import WORKER_TIME_PREFIX
+
+
+def apply_kl_penalty(data: DataProto, kl_ctrl, kl_penalty_type: str = "kl") -> dict[str, float]:
+    """In-reward KL (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2): ``token_level_rewards`` (B, R) =
+    ``token_level_scores`` - beta * KL(old_log_probs || ref_log_prob) on valid tokens. Updates ``kl_ctrl`` with
+    the batch's mean per-sequence KL and returns metrics. Adds ``token_level_rewards`` to ``data`` in place."""
+    mask = data.batch["response_mask"].float()
+    kld = kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty_type) * mask
+    beta = kl_ctrl.value
+    data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * kld
+    current_kl = masked_mean(kld, mask, axis=-1).mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
+    return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(data: DataProto, algorithm_config) -> None:
+    """Adds ``advantages`` and ``returns`` (B, R) fp32 to ``data`` with the estimator named by
+    ``algorithm_config.adv_estimator`` (see :mod:`hybridflow.algorithms.advantage` for the calling convention)."""
+    b = data.batch
+    fn = get_adv_estimator_fn(algorithm_config.adv_estimator)
+    advantages, returns = fn(
+        token_level_rewards=b["token_level_rewards"],
+        response_mask=b["response_mask"],
+        values=b.get("values"),
+        index=data.non_tensor_batch.get("uid"),
+        config=algorithm_config,
+    )
+    b["advantages"], b["returns"] = advantages, returns
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(),
+            f"{prefix}/min": values.min().item()}
+
+
+def compute_data_metrics(data: DataProto) -> dict[str, float]:
+    """Batch statistics logged every step: scores, rewards, advantages, returns, values, lengths, KL to the
+    reference, entropy and ``rollout/logprob_diff_max`` (max |sampling logprob - recomputed old logprob| over
+    valid tokens: 0 up to numerics when the rollout and the actor compute the same distribution)."""
+    b = data.batch
+    mask = b["response_mask"].bool()
+    maskf = mask.float()
+    metrics: dict[str, float] = {}
+    metrics.update(_stats("critic/score", b["token_level_scores"].sum(-1)))
+    metrics.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
+    metrics.update(_stats("critic/advantages", b["advantages"][mask]))
+    metrics.update(_stats("critic/returns", b["returns"][mask]))
+    if "values" in b:
+        metrics.update(_stats("critic/values", b["values"][mask]))
+    metrics.update(_stats("response_length", maskf.sum(-1)))
+    metrics.update(_stats("prompt_length", b["attention_mask"][:, : -mask.shape[1]].float().sum(-1)))
+    metrics["response_length/clip_ratio"] = (maskf.sum(-1) >= mask.shape[1]).float().mean().item()
+    if "ref_log_prob" in b:
+        kl = b["old_log_probs"] - b["ref_log_prob"]
+        metrics["rollout/kl"] = masked_mean(kl, maskf).item()
+    if "entropys" in b:
+        metrics["actor/entropy"] = masked_mean(b["entropys"], maskf).item()
+    if "rollout_log_probs" in b:
+        diff = (b["rollout_log_probs"] - b["old_log_probs"]).abs()[mask]
+        metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
+    return metrics
+
+
+def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, float]:
+    """Worker-side seconds per step (``timing_worker_s/<method>``, from the ``worker_s/*`` meta_info keys the
+    worker steps add) and the controller's own share of the step:
+    ``timing_s/controller_overhead_frac`` = (step - sum of worker seconds) / step. Worker seconds are rank 0's;
+    time other ranks make rank 0 wait shows up as overhead."""
+    worker = {k[len(WORKER_TIME_PREFIX):]: v for k, v in meta_info.items() if k.startswith(WORKER_TIME_PREFIX)}
+    metrics = {f"timing_worker_s/{k}": v for k, v in worker.items()}
+    metrics["timing_s/controller_overhead_frac"] = max(0.0, step_seconds - sum(worker.values())) / step_seconds
+    return metrics

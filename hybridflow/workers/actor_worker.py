@@ -1,0 +1,146 @@
+"""The actor role: policy training (FSDP2) + its rollout engine + the reference policy, in one process per rank.
+
+Colocating the three roles lets the rollout take its weights from the actor in memory after every update
+(``load_weights`` from the gathered FSDP shards, no disk) and lets the frozen reference share the process.
+Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``.
+
+Each method below is one dataflow step: DataProto in, DataProto out, dispatched by the mesh-aware mode over
+the ``actor`` mesh (one chunk per data-parallel rank; every rank of a dp group answers with the same rows, and
+one rank per dp group is collected).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import SimpleNamespace
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, iter_full_state, resolve_dtype
+from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.workers.timing import report_time
+from hybridflow.rollout import get_rollout_class
+from hybridflow.workers.optim import build_lr_scheduler, build_optimizer
+from hybridflow.workers.ppo_actor import PPOActor
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("actor_rollout_ref", "actor_rollout", "ref")
+
+
+def set_worker_threads() -> None:
+    """One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (ranks share the host's cores)."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+class ActorRolloutRefWorker(Worker):
+    """Args:
+        config: the full run config (reads ``actor_rollout_ref``, ``data``, ``trainer``).
+        role: one of ``actor_rollout_ref``, ``actor_rollout``, ``ref``.
+    """
+
+    def __init__(self, config, role: str = "actor_rollout_ref") -> None:
+        super().__init__()
+        if role not in ROLES:
+            raise ValueError(f"unknown actor role {role!r}; expected one of {ROLES}")
+        self.config = config
+        self.role = role
+        self._has_actor = role != "ref"
+        self._has_ref = role in ("actor_rollout_ref", "ref")
+        self._rollout_stale = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int) -> None:
+        """Join the process group, load the policy (+ reference), shard with FSDP2, build the rollout.
+        ``total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
+        set_worker_threads()
+        init_distributed()
+        cfg = self.config.actor_rollout_ref
+        torch.manual_seed(self.config.trainer.seed)
+        self.device = self.device_name
+        mesh = build_mesh(dp=self.world_size)
+        self._register_dispatch_collect_info("actor", dp_rank=self.rank, is_collect=True)
+        dtype = resolve_dtype(cfg.model.dtype, self.device)
+        path = cfg.model.path
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
+        temperature = cfg.rollout.temperature
+        if self._has_actor:
+            module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
+            if cfg.model.enable_gradient_checkpointing:
+                module.gradient_checkpointing_enable()
+            module = apply_fsdp2(module.to(self.device), mesh)
+            optimizer = build_optimizer(module, cfg.actor.optim)
+            self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
+            self.actor = PPOActor(module, optimizer, cfg.actor, temperature)
+            rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
+            rollout_cfg = SimpleNamespace(
+                response_length=self.config.data.max_response_length,
+                n=cfg.rollout.n,
+                do_sample=cfg.rollout.do_sample,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+                micro_batch_size=cfg.rollout.micro_batch_size_per_gpu,
+            )
+            eos = get_eos_token_ids(path, self.tokenizer)
+            self.rollout = get_rollout_class(cfg.rollout.name)(
+                rollout_module, rollout_cfg, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id
+            )
+            self._rollout_stale = False  # both were loaded from the same checkpoint
+        if self._has_ref:
+            ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
+            ref.requires_grad_(False)
+            self.ref = PPOActor(apply_fsdp2(ref.to(self.device), mesh), None, cfg.actor, temperature)
+
+    def _sync_rollout_weights(self) -> None:
+        """Push the actor's current weights into the rollout engine (all ranks gather in lockstep)."""
+        if self._rollout_stale:
+            self.rollout.load_weights(iter_full_state(self.actor.module))
+            self._rollout_stale = False
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @report_time
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sample responses for left-padded ``prompts`` (see :class:`hybridflow.rollout.BaseRollout`);
+        ``meta_info`` may override sampling (validation passes greedy settings) and carry ``seed``."""
+        self._sync_rollout_weights()
+        meta = dict(prompts.meta_info)
+        if "seed" in meta:  # distinct streams per rank, reproducible per (seed, rank)
+            meta["seed"] = int(meta["seed"]) * 1000 + self.rank
+        prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
+        out = self.rollout.generate_sequences(prompts)
+        out.meta_info.pop("seed", None)
+        return out
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @report_time
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
+        micro = self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        log_prob, entropy = self.actor.compute_log_prob(data, micro, calculate_entropy=True)
+        return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @report_time
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
+        micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        log_prob, _ = self.ref.compute_log_prob(data, micro)
+        return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @report_time
+    def update_actor(self, data: DataProto) -> DataProto:
+        """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
+        ``data.meta_info["global_step"]`` seeds the mini-batch shuffle."""
+        cfg = self.config.actor_rollout_ref
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
+        step = int(data.meta_info.get("global_step", 0))
+        metrics = self.actor.update_policy(data, mini, seed=self.config.trainer.seed + step)
+        metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self._rollout_stale = True
+        return DataProto(meta_info={"metrics": metrics})

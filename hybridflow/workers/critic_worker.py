@@ -1,0 +1,64 @@
+"""The critic role: a value model trained with FSDP2, one process per rank."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
+from hybridflow.models.hf import load_value_model
+from hybridflow.protocol import DataProto
+from hybridflow.workers.timing import report_time
+from hybridflow.workers.actor_worker import set_worker_threads
+from hybridflow.workers.optim import build_lr_scheduler, build_optimizer
+from hybridflow.workers.ppo_critic import PPOCritic
+
+
+class CriticWorker(Worker):
+    """Args:
+        config: the full run config (reads ``critic``, ``actor_rollout_ref`` for defaults, ``trainer``).
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int) -> None:
+        """Join the process group, load the value model (backbone from ``critic.model.path`` or the actor's
+        path, fresh scalar head), shard with FSDP2, build AdamW and the lr schedule."""
+        set_worker_threads()
+        init_distributed()
+        cfg = self.config.critic
+        torch.manual_seed(self.config.trainer.seed + 1)
+        device = self.device_name
+        mesh = build_mesh(dp=self.world_size)
+        self._register_dispatch_collect_info("critic", dp_rank=self.rank, is_collect=True)
+        model_cfg = cfg.model if cfg.model.path else self.config.actor_rollout_ref.model
+        dtype = resolve_dtype(model_cfg.dtype, device)
+        module = load_value_model(model_cfg.path, dtype, model_cfg.trust_remote_code)
+        if model_cfg.enable_gradient_checkpointing:
+            module.gradient_checkpointing_enable()
+        module = apply_fsdp2(module.to(device), mesh)
+        optimizer = build_optimizer(module, cfg.optim)
+        self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_training_steps)
+        self.critic = PPOCritic(module, optimizer, cfg)
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
+    @report_time
+    def compute_values(self, data: DataProto) -> DataProto:
+        """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
+        values = self.critic.compute_values(data, self.config.critic.forward_micro_batch_size_per_gpu)
+        return DataProto.from_dict(tensors={"values": values})
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
+    @report_time
+    def update_critic(self, data: DataProto) -> DataProto:
+        """One clipped value-loss update; returns ``meta_info["metrics"]``."""
+        cfg = self.config.critic
+        mini = cfg.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n // self.world_size
+        step = int(data.meta_info.get("global_step", 0))
+        metrics = self.critic.update_critic(data, mini, seed=self.config.trainer.seed + step)
+        metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return DataProto(meta_info={"metrics": metrics})

@@ -1,0 +1,54 @@
+"""Shared pieces of the actor and critic steps: the mini/micro-batch plan and the response-slice forward.
+
+Loss normalisation across micro-batches and data-parallel ranks (why gradients do not depend on the split):
+each micro-batch loss is aggregated with the *mini-batch* totals (tokens, sequences) summed over all dp ranks
+and divided by the dp size. FSDP2 averages gradients over dp ranks, so the dp factor cancels and the applied
+gradient is exactly that of the mini-batch loss, for every ``loss_agg_mode``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.distributed import all_reduce_sum
+from hybridflow.protocol import DataProto
+
+
+def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int) -> torch.Tensor:
+    """Run ``module`` over ``input_ids`` (B, P+R) and return the output rows that predict/score the response.
+
+    Returns ``logits[:, -R-1:-1]``: (B, R, V) for a causal LM (position t predicts response token t), (B, R, 1)
+    for a value model (the value of the state before response token t).
+    """
+    batch = micro.batch
+    out = module(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    )
+    return out.logits[:, -response_length - 1 : -1]
+
+
+def mini_batches(data: DataProto, mini_size: int, epochs: int, shuffle: bool, seed: int) -> Iterator[DataProto]:
+    """Yield the mini-batches of ``epochs`` passes over ``data`` (optionally shuffled with a seeded generator)."""
+    for epoch in range(epochs):
+        if shuffle:
+            gen = torch.Generator().manual_seed(seed + epoch)
+            data = data[torch.randperm(len(data), generator=gen)]
+        yield from data.split(mini_size)
+
+
+def global_agg_kwargs(mini: DataProto, response_length: int) -> dict:
+    """``agg_loss`` normalisers for one mini-batch: totals over all dp ranks divided by the dp size."""
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    local = torch.tensor([mini.batch["response_mask"].sum().item(), float(len(mini))])
+    total = all_reduce_sum(local)
+    return {
+        "num_tokens": float(total[0]) / dp,
+        "num_seqs": float(total[1]) / dp,
+        "loss_scale_factor": float(response_length),
+    }

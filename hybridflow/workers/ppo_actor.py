@@ -1,0 +1,113 @@
+"""The policy's computations on one rank of its data-parallel group (the module is FSDP2-sharded).
+
+Shapes: (B, R) = sequences on this rank, response tokens; (B, P+R) = prompt + response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits
+from hybridflow.distributed import all_reduce_mean, clip_grad_norm
+from hybridflow.protocol import DataProto
+from hybridflow.workers.micro import global_agg_kwargs, mini_batches, response_forward
+
+
+class PPOActor:
+    """Log-probabilities and the PPO policy update for one dp rank.
+
+    Args:
+        module: the causal LM (possibly FSDP2-sharded).
+        optimizer: optimizer over ``module``'s parameters (None for a frozen reference policy).
+        config: the ``actor_rollout_ref.actor`` config section.
+        temperature: the rollout sampling temperature; logits are divided by it so the recomputed
+            logprobs are those of the distribution the rollout sampled from.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer, config, temperature: float) -> None:
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.skipped_steps = 0
+
+    def _log_prob(self, micro: DataProto, calculate_entropy: bool):
+        responses = micro.batch["responses"]
+        logits = response_forward(self.module, micro, responses.shape[1]).float() / self.temperature
+        log_prob = logprobs_from_logits(logits, responses)
+        entropy = entropy_from_logits(logits) if calculate_entropy else None
+        return log_prob, entropy
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False):
+        """Log-probabilities of ``responses`` (B, R) fp32 under the current policy; also the entropy (B, R)
+        when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values."""
+        self.module.eval()
+        log_probs, entropies = [], []
+        for micro in data.split(micro_batch_size):
+            log_prob, entropy = self._log_prob(micro, calculate_entropy)
+            log_probs.append(log_prob)
+            entropies.append(entropy)
+        return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+
+    def update_policy(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
+        """PPO policy update over this rank's share of the batch.
+
+        ``data`` needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``,
+        ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``). ``mini_batch_size`` is
+        in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
+        normalisation of :mod:`hybridflow.workers.micro`. A non-finite gradient norm skips the step (counted in
+        ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks.
+        """
+        cfg = self.config
+        self.module.train()
+        loss_fn = get_policy_loss_fn(cfg.policy_loss)
+        mode = cfg.loss_agg_mode
+        sums: dict[str, float] = {}
+        n_minis = 0
+        for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
+            agg_kwargs = global_agg_kwargs(mini, mini.batch["responses"].shape[1])
+            self.optimizer.zero_grad(set_to_none=True)
+            stats: dict[str, float] = {}
+            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+                b = micro.batch
+                mask = b["response_mask"]
+                need_entropy = cfg.entropy_coeff != 0
+                log_prob, entropy = self._log_prob(micro, need_entropy)
+                pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
+                    b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg, **agg_kwargs
+                )
+                loss = pg_loss
+                if need_entropy:
+                    loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg_kwargs)
+                if cfg.use_kl_loss:
+                    kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
+                    kl_loss = agg_loss(kl, mask, mode, **agg_kwargs)
+                    loss = loss + cfg.kl_loss_coef * kl_loss
+                    _add(stats, "actor/kl_loss", kl_loss.item())
+                loss.backward()
+                frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
+                _add(stats, "actor/pg_loss", pg_loss.item())
+                _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
+                _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
+                _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
+            grad_norm = clip_grad_norm(self.module.parameters(), cfg.grad_clip)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.skipped_steps += 1
+            stats["actor/grad_norm"] = grad_norm
+            for key, value in stats.items():
+                _add(sums, key, value)
+            n_minis += 1
+        metrics = all_reduce_mean({k: v / max(n_minis, 1) for k, v in sums.items()})
+        metrics["actor/skipped_steps"] = float(self.skipped_steps)
+        return metrics
+
+
+def _add(d: dict[str, float], key: str, value: float) -> None:
+    d[key] = d.get(key, 0.0) + value

@@ -1,0 +1,53 @@
+"""The rule-reward role: decode each response and score it against its ground truth.
+
+The scalar score of a sequence is placed on its last valid response token (``token_level_scores``), which is
+how outcome rewards enter GAE and the other estimators.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.models.hf import load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.workers.timing import report_time
+from hybridflow.rewards import default_compute_score
+
+
+def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Scatter per-sequence ``scores`` (B,) onto the last valid token of ``response_mask`` (B, R) -> (B, R) fp32.
+    A sequence with no valid token gets no reward."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.long().sum(-1)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = scores[rows].float()
+    return out
+
+
+class RuleRewardWorker(Worker):
+    """Scores responses with :func:`hybridflow.rewards.default_compute_score` (by ``data_source``)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        model = self.config.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @report_time
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``token_level_scores`` (B, R) fp32 from ``responses``/``response_mask`` and the non-tensor columns
+        ``data_source``, ``ground_truth`` (and ``extra_info`` if present)."""
+        responses = data.batch["responses"]
+        mask = data.batch["response_mask"]
+        nt = data.non_tensor_batch
+        scores = []
+        for i in range(len(data)):
+            text = self.tokenizer.decode(responses[i][mask[i].bool()].tolist(), skip_special_tokens=True)
+            extra = nt["extra_info"][i] if "extra_info" in nt else None
+            scores.append(float(default_compute_score(nt["data_source"][i], text, nt["ground_truth"][i], extra)))
+        return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask)})

@@ -1,0 +1,23 @@
+"""Worker-side timing: each dataflow step reports the seconds it spent inside the worker, so the driver can
+separate worker compute from its own (controller) overhead."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+#: prefix of the meta_info keys that carry worker-side seconds, one key per method
+WORKER_TIME_PREFIX = "worker_s/"
+
+
+def report_time(fn):
+    """Decorate a worker method returning a DataProto: adds ``meta_info["worker_s/<method>"]`` (seconds)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(self, *args, **kwargs)
+        out.meta_info[WORKER_TIME_PREFIX + fn.__name__] = time.perf_counter() - start
+        return out
+
+    return wrapper

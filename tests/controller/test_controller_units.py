@@ -1,0 +1,162 @@
+"""Controller pieces in the driver process, without starting actors: Worker env handling, register, dispatch
+plans, mesh layout validation, the dispatch-mode registry and DataProtoFuture chunking."""
+
+import pytest
+import ray
+import torch
+
+from hybridflow.controller import (
+    DataProtoFuture,
+    Dispatch,
+    DispatchError,
+    Execute,
+    MeshDispatchInfo,
+    Worker,
+    get_dispatch_mode,
+    get_method_spec,
+    register,
+    register_dispatch_mode,
+)
+from hybridflow.controller.dispatch import (
+    Collector,
+    collect_dp_compute_data_proto,
+    dispatch_all_to_all,
+    dispatch_dp_compute_data_proto,
+)
+from hybridflow.protocol import DataProto
+
+
+class FakeGroup:
+    """What dispatch functions read from a worker group: its size."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+
+
+def rows(n, start=0):
+    return DataProto.from_dict({"x": torch.arange(start, start + n)})
+
+
+# ---------------------------------------------------------------------- Worker
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "")  # registers the original value for restoration; "" counts as unset
+    return monkeypatch
+
+
+def test_worker_defaults_to_single_process_and_picks_master(clean_env):
+    w = Worker()
+    assert (w.rank, w.world_size, w.local_rank, w.device_name) == (0, 1, 0, "cpu")
+    addr, port = w.get_master_addr_port()
+    assert addr and 0 < port < 65536
+
+
+def test_worker_rank_checks(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="rank 1 started without MASTER_ADDR"):
+        Worker()
+    clean_env.setenv("RANK", "2")
+    with pytest.raises(ValueError, match=r"RANK=2 is not in \[0, WORLD_SIZE=2\)"):
+        Worker()
+
+
+def test_worker_mesh_registration(clean_env):
+    w = Worker()
+    w._register_dispatch_collect_info("train", 1, False)
+    w._register_dispatch_collect_info("train", 1, False)  # same values again: fine
+    assert w._query_dispatch_info("train") == (1, False)
+    with pytest.raises(ValueError, match="already registered"):
+        w._register_dispatch_collect_info("train", 0, True)
+    with pytest.raises(KeyError, match="no dispatch info for mesh 'gen'.*registered: \\['train'\\]"):
+        w._query_dispatch_info("gen")
+
+
+# ---------------------------------------------------------------------- register
+def test_register_stores_spec_and_validates():
+    @register(Dispatch.MESH_COMPUTE_PROTO, execute_mode=Execute.ALL, blocking=False, mesh_name="m")
+    def f(self, x):
+        return x
+
+    spec = get_method_spec(f)
+    assert (spec.dispatch_mode, spec.execute_mode, spec.blocking, spec.mesh_name) == (
+        Dispatch.MESH_COMPUTE_PROTO, Execute.ALL, False, "m"
+    )
+    assert f(None, 3) == 3 and f.__name__ == "f"
+    with pytest.raises(ValueError, match="needs mesh_name"):
+        register(Dispatch.MESH_COMPUTE_PROTO)
+    with pytest.raises(ValueError, match="only applies to Dispatch.MESH_COMPUTE_PROTO"):
+        register(Dispatch.ONE_TO_ALL, mesh_name="m")
+    with pytest.raises(TypeError, match="with parentheses"):
+        register(lambda self: None)
+
+
+# ---------------------------------------------------------------------- dispatch plans
+def test_dp_plan_pads_and_collect_unpads():
+    plan = dispatch_dp_compute_data_proto(FakeGroup(2), rows(5), 7, flag="k")
+    assert plan.pad_size == 1
+    chunks, scalars = plan.args
+    assert [c.batch["x"].tolist()[:2] for c in chunks] == [[0, 1], [3, 4]] and [len(c) for c in chunks] == [3, 3]
+    assert scalars == [7, 7] and plan.kwargs == {"flag": ["k", "k"]}
+    out = Collector(collect_dp_compute_data_proto, [0, 1], plan.pad_size)(chunks)
+    assert out.batch["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_dp_plan_rejects_mismatched_batches():
+    with pytest.raises(DispatchError, match="same batch size"):
+        dispatch_dp_compute_data_proto(FakeGroup(2), rows(4), rows(6))
+
+
+def test_all_to_all_error_names_argument_and_lengths():
+    with pytest.raises(DispatchError, match="argument 1 must be a list of length world_size=3, got length 2"):
+        dispatch_all_to_all(FakeGroup(3), [1, 2, 3], [1, 2])
+    with pytest.raises(DispatchError, match="argument 0 .* got a int"):
+        dispatch_all_to_all(FakeGroup(3), 5)
+
+
+def test_collect_dp_rejects_non_dataproto_output():
+    with pytest.raises(TypeError, match="output 1 of 2 is a dict"):
+        collect_dp_compute_data_proto([rows(1), {"x": 1}])
+
+
+# ---------------------------------------------------------------------- mesh layouts
+def test_mesh_info_orders_collectors_by_dp_rank():
+    # 6 ranks, dp=3 x tp=2 with dp as the inner axis: dp_rank = rank % 3; tp rank 1 collects.
+    info = MeshDispatchInfo("m", (0, 1, 2, 0, 1, 2), (False, False, False, True, True, True))
+    assert (info.dp_size, info.collect_ranks) == (3, (3, 4, 5))
+
+
+def test_mesh_info_rejects_bad_layouts():
+    with pytest.raises(DispatchError, match=r"exactly one rank per dp rank.*dp rank 0: collecting ranks \[0, 1\]"):
+        MeshDispatchInfo("m", (0, 0, 1, 1), (True, True, True, False))
+    with pytest.raises(DispatchError, match=r"dp rank 1: collecting ranks \[\]"):
+        MeshDispatchInfo("m", (0, 0, 1, 1), (True, False, False, False))
+    with pytest.raises(DispatchError, match="no gap"):
+        MeshDispatchInfo("m", (0, 2), (True, True))
+
+
+# ---------------------------------------------------------------------- registry
+def test_registry_lookup_and_duplicates():
+    with pytest.raises(KeyError, match="unknown dispatch mode 'nope'.*DP_COMPUTE_PROTO"):
+        get_dispatch_mode("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        register_dispatch_mode("ONE_TO_ALL", dispatch_all_to_all, list)
+    assert get_dispatch_mode(Dispatch.DP_COMPUTE_PROTO).returns_proto
+
+
+# ---------------------------------------------------------------------- futures
+def test_future_chunks_lazily_and_materializes_in_registered_method(ray_session):
+    refs = [ray.put(rows(3, 0)), ray.put(rows(3, 3))]
+    future = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 1], 0), refs)
+    first, second = future.chunk(2)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def head(self, data, n):
+        return data.batch["x"].tolist()[:n]
+
+    assert head(None, second, 10) == [3, 4, 5]  # the wrapper called .get() on the future
+    assert first.get().batch["x"].tolist() == [0, 1, 2]
+    assert [p.get().batch["x"].tolist() for p in second.chunk(3)] == [[3], [4], [5]]  # chunk of a chunk
+    with pytest.raises(ValueError, match="batch size 6 cannot be split into 4 equal chunks"):
+        future.chunk(4)[0].get()

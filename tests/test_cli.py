@@ -1,0 +1,86 @@
+"""The hybridflow command line: config errors exit 2 fast (before Ray), --print-config, dispatch to run_ppo."""
+
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.cli import COMMANDS, main
+from hybridflow.config import config_to_dict, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+TYPO = "actor_rollout_ref.actor.ppo_mini_batchsize=4"
+
+
+def test_config_error_exits_2_quickly_without_traceback():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "hybridflow", "train", "recipes/quickstart.yaml", TYPO],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 20
+    assert "actor_rollout_ref.actor.ppo_mini_batchsize" in proc.stderr
+    assert "did you mean actor_rollout_ref.actor.ppo_mini_batch_size?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+REGISTRY_LOOKUPS = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.name=hff"]  # imports the registries
+
+
+@pytest.mark.parametrize("overrides", [[TYPO], [TYPO, *REGISTRY_LOOKUPS]], ids=["typo", "typo+registry-lookups"])
+def test_config_error_does_not_import_ray(overrides):
+    code = ("import sys; from hybridflow.cli import main; "
+            f"rc = main(['train', 'recipes/quickstart.yaml', *{overrides!r}]); print(rc, 'ray' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+
+
+@pytest.fixture
+def fake_trainer(monkeypatch):
+    """Stand-in for hybridflow.trainer.main that records the configs run_ppo receives."""
+    module = types.ModuleType("hybridflow.trainer.main")
+    module.calls = []
+    module.run_ppo = module.calls.append
+    monkeypatch.setitem(sys.modules, "hybridflow.trainer.main", module)
+    return module
+
+
+def test_valid_config_reaches_run_ppo(fake_trainer):
+    assert main(["train", "quickstart", "trainer.total_training_steps=3"]) == 0
+    (cfg,) = fake_trainer.calls
+    assert cfg.trainer.total_training_steps == 3
+    assert config_to_dict(cfg) == config_to_dict(load_config("quickstart", ["trainer.total_training_steps=3"]))
+
+
+def test_invalid_config_does_not_reach_run_ppo(fake_trainer, capsys):
+    assert main(["train", "quickstart", "data.train_batch_size=abc"]) == 2
+    assert fake_trainer.calls == []
+    err = capsys.readouterr().err
+    assert err.startswith("invalid config (1 problem):")
+    assert "data.train_batch_size: expected int, got 'abc'" in err
+
+
+def test_print_config_prints_the_resolved_yaml(fake_trainer, capsys):
+    overrides = ["trainer.project_name=p", "trainer.default_local_dir=out/${trainer.project_name}"]
+    assert main(["train", "quickstart", overrides[0], "--print-config", overrides[1]]) == 0
+    assert fake_trainer.calls == []
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["default_local_dir"] == "out/p"
+    assert printed == config_to_dict(load_config("quickstart", overrides))
+
+
+def test_help_and_usage_errors(capsys):
+    assert set(COMMANDS) >= {"train"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    assert "train" in capsys.readouterr().out
+    for argv in ([], ["train"], ["train", "quickstart", "--print-cfg"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2

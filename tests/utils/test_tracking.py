@@ -1,0 +1,88 @@
+"""Tracking: metrics.jsonl lines, the one-line console summary, scalar conversion, backend names."""
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hybridflow.utils.tracking import Tracking, format_console_line
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_jsonl_lines_have_step_and_float_metrics(tmp_path):
+    tracker = Tracking("p", "e", tmp_path / "run", backends=("jsonl",))
+    tracker.log({"a": 0.25, "b": 3, "flag": True}, step=1)
+    # Flushed per call: readable before finish().
+    assert _read_jsonl(tmp_path / "run" / "metrics.jsonl") == [{"step": 1, "a": 0.25, "b": 3.0, "flag": 1.0}]
+    tracker.log({"np32": np.float32(0.5), "np0d": np.array(1.5), "np1": np.array([2.5]),
+                 "int64": np.int64(7), "tensor": torch.tensor(0.75), "tensor1": torch.tensor([1.25])}, step=2)
+    tracker.finish()
+    tracker.finish()
+    lines = _read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert lines[1] == {"step": 2, "np32": 0.5, "np0d": 1.5, "np1": 2.5, "int64": 7.0, "tensor": 0.75, "tensor1": 1.25}
+    assert all(type(v) is float for v in lines[1].values() if v != 2)
+
+
+def test_jsonl_appends_across_runs_and_saves_config_once(tmp_path):
+    config = OmegaConf.create({"trainer": {"project_name": "p", "default_local_dir": "out/${trainer.project_name}"}})
+    for step in (1, 2):
+        tracker = Tracking("p", "e", tmp_path, config=config)
+        tracker.log({"x": float(step)}, step=step)
+        tracker.finish()
+    assert [line["step"] for line in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    saved = OmegaConf.load(tmp_path / "config.yaml")
+    assert saved.trainer.default_local_dir == "out/p"  # resolved when saved
+
+
+def test_console_line_has_the_well_known_fields(tmp_path, capsys):
+    tracker = Tracking("p", "e", tmp_path / "run", backends=("console",))
+    tracker.log({
+        "critic/rewards/mean": 0.41, "critic/score/mean": 0.5, "rollout/kl": 0.003, "actor/entropy": 0.85,
+        "response_length/mean": 14.2, "val/score": 0.62, "timing_s/step": 3.14, "perf/throughput": 812.4,
+        "actor/pg_loss": 0.1,
+    }, step=12)
+    out = capsys.readouterr().out
+    expected = "step 12 | reward 0.41 | kl 0.003 | entropy 0.85 | resp_len 14.2 | val/score 0.62 | 3.1s | 812 tok/s"
+    assert out == expected + "\n"
+    assert not (tmp_path / "run").exists()  # the console backend writes no files
+
+
+def test_console_line_falls_back_to_score_and_omits_absent_fields():
+    assert format_console_line({"critic/score/mean": 0.5, "val/score/arith": 1.0}, step=3) == (
+        "step 3 | reward 0.5 | val/score/arith 1")
+    assert format_console_line({}, step=0) == "step 0"
+    assert format_console_line({"response_length/mean": 1234.4}, step=1) == "step 1 | resp_len 1234"
+
+
+def test_unknown_backend_lists_known_ones(tmp_path):
+    known = "known: console, jsonl, tensorboard"
+    with pytest.raises(ValueError, match=rf"unknown tracking backend\(s\) \['wandb'\]; {known}"):
+        Tracking("p", "e", tmp_path, backends=("console", "wandb"))
+
+
+@pytest.mark.parametrize("value,message", [
+    (np.array([1.0, 2.0]), r"metric 'm' must be a scalar, got an array of shape \(2,\)"),
+    (torch.ones(2, 2), r"metric 'm' must be a scalar, got an array of shape \(2, 2\)"),
+    ("high", r"metric 'm' must be a number, got str: 'high'"),
+])
+def test_non_scalar_metrics_are_refused(tmp_path, value, message):
+    tracker = Tracking("p", "e", tmp_path, backends=("console",))
+    with pytest.raises(TypeError, match=message):
+        tracker.log({"m": value}, step=1)
+
+
+def test_step_is_a_reserved_metric_name(tmp_path):
+    with pytest.raises(ValueError, match="'step' is reserved"):
+        Tracking("p", "e", tmp_path, backends=("console",)).log({"step": 1.0}, step=1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard installed")
+def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        Tracking("p", "e", tmp_path, backends=("tensorboard",))
