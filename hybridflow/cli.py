@@ -53,8 +53,73 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridflow.data.preprocess import DATASETS
+
+    parser.add_argument("dataset", choices=sorted(DATASETS),
+                        help="gsm8k: jsonl rows with question/answer ('#### N'); math: problem/solution (\\boxed{})")
+    parser.add_argument("--input", required=True, metavar="FILE",
+                        help="original file: .jsonl, .json (list) or .parquet")
+    parser.add_argument("--output", required=True, metavar="DIR", help="writes DIR/<split>.parquet (verl schema)")
+    parser.add_argument("--split", default=None, help="split name (default: the input file name, e.g. test)")
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed rows instead of failing")
+
+
+def _run_data(args: argparse.Namespace) -> int:
+    from hybridflow.data.preprocess import convert
+
+    try:
+        result = convert(args.dataset, args.input, args.output, split=args.split, skip_bad=args.skip_bad)
+    except (ValueError, FileNotFoundError) as exc:  # MalformedRowError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {result.num_rows} rows to {result.output}; skipped {result.num_skipped} malformed rows")
+    return 0
+
+
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory (or builtin:NAME)")
+    parser.add_argument("data", metavar="DATA.parquet", nargs="+", help="prompts in verl's parquet schema")
+    parser.add_argument("--n", type=int, default=1, help="responses per prompt; > 1 adds a sampled mean@n")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts per generation call")
+    parser.add_argument("--max-prompt-length", type=int, default=None, help="prompt tokens (default: no limit)")
+    parser.add_argument("--truncation", choices=("error", "left", "right", "filter"), default="error",
+                        help="what to do with prompts over --max-prompt-length")
+    parser.add_argument("--max-response-length", type=int, default=512, help="generated tokens per response")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled pass")
+    parser.add_argument("--output", metavar="FILE.jsonl", default=None, help="write every response and its score")
+
+
+def _run_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from hybridflow.evaluation import evaluate  # torch and the model load only from here on
+
+    try:
+        result = evaluate(
+            args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            batch_size=args.batch_size, max_prompt_length=args.max_prompt_length, truncation=args.truncation,
+            max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
+            output=args.output,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
+    "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
+                    _run_data),
+    "eval": Command("score a model on parquet prompts with the rule rewards, without training", _add_eval_arguments,
+                    _run_eval),
 }
 
 

@@ -9,6 +9,12 @@ from hybridflow.algorithms.advantage import (
     get_adv_estimator_fn,
     register_adv_est,
 )
+from hybridflow.algorithms.advantage_reinforce import (  # importing registers rloo, reinforce++(-baseline), remax
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
+    compute_reinforce_plus_plus_outcome_advantage,
+    compute_remax_outcome_advantage,
+    compute_rloo_outcome_advantage,
+)
 from hybridflow.algorithms.kl import (
     KL_PENALTY_TYPES,
     AdaptiveKLController,
@@ -20,6 +26,7 @@ from hybridflow.algorithms.losses import (
     LOSS_AGG_MODES,
     agg_loss,
     compute_policy_loss,
+    compute_policy_loss_gspo,
     compute_policy_loss_vanilla,
     compute_value_loss,
     entropy_from_logits,
@@ -28,6 +35,7 @@ from hybridflow.algorithms.losses import (
     register_policy_loss,
 )
 from hybridflow.algorithms.registry import UnknownNameError
+from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, compute_safe_rlhf_advantage
 from hybridflow.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -35,12 +43,19 @@ __all__ = [
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "LagrangeMultiplier",
     "UnknownNameError",
     "agg_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_gspo",
     "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_safe_rlhf_advantage",
     "compute_value_loss",
     "entropy_from_logits",
     "get_adv_estimator_fn",

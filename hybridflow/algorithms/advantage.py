@@ -25,6 +25,10 @@ with a parameter named ``config`` receives ``config`` itself. Keywords the estim
 are ignored (the driver can pass everything it has), unless it takes ``**kwargs``, which then gets
 them. A required parameter found nowhere raises ``TypeError`` naming the estimator and parameter.
 Users add estimators with ``@register_adv_est("name")`` and select them by name.
+
+Registered here: ``gae``, ``grpo``; in :mod:`hybridflow.algorithms.advantage_reinforce`: ``rloo``,
+``reinforce_plus_plus``, ``reinforce_plus_plus_baseline`` and ``remax`` (which also needs
+``reward_baselines=batch["reward_baselines"]``, ``(B,)``, passed by keyword like the inputs above).
 """
 
 from __future__ import annotations
@@ -101,6 +105,37 @@ def _check_batch(**tensors: torch.Tensor) -> None:
     if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
         raise ValueError(f"expected tensors of one (batch, response_len) shape, got "
                          f"{', '.join(f'{k}={v}' for k, v in shapes.items())}")
+
+
+def _group_ids(index: Any, batch: int, device: torch.device) -> torch.Tensor:
+    """``(B,)`` long tensor numbering the distinct values of ``index`` 0..G-1 (rows with equal ids share one).
+
+    Raises:
+        ValueError: ``index`` does not have one entry per row.
+    """
+    index = np.asarray(index)
+    if index.shape != (batch,):
+        raise ValueError(f"index must have shape ({batch},) (one group id per response), got {index.shape}")
+    _, group = np.unique(index, return_inverse=True)
+    return torch.as_tensor(group.reshape(-1), dtype=torch.long, device=device)
+
+
+def _group_total(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """For each row, the sum of ``values`` (``(B,)``) over the rows of its group (``(B,)``, dtype of ``values``)."""
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, group, values)[group]
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(B,)`` float64 sequence scores: the sum of each row's rewards over its valid tokens."""
+    return masked_sum(token_level_rewards.double(), response_mask, axis=-1)
+
+
+def _broadcast_over_valid(seq_values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` float32: the per-sequence ``(B,)`` value on every valid token, 0 on padding."""
+    valid = response_mask != 0
+    return torch.where(valid, seq_values.float()[:, None].expand(valid.shape),
+                       torch.zeros(valid.shape, device=seq_values.device))
 
 
 @register_adv_est("gae")
@@ -188,25 +223,15 @@ def compute_grpo_outcome_advantage(
         ValueError: shapes differ, or ``index`` does not have one entry per row.
     """
     _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    index = np.asarray(index)
-    batch = token_level_rewards.shape[0]
-    if index.shape != (batch,):
-        raise ValueError(f"index must have shape ({batch},) (one group id per response), got {index.shape}")
+    group = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
     with torch.no_grad():
-        device = token_level_rewards.device
-        scores = masked_sum(token_level_rewards.double(), response_mask, axis=-1)  # (B,)
-        _, group_np = np.unique(index, return_inverse=True)
-        group = torch.as_tensor(group_np.reshape(-1), dtype=torch.long, device=device)
-        n_groups = int(group_np.max()) + 1 if batch else 0
-        per_group = torch.zeros(n_groups, dtype=torch.float64, device=device)
-        size = per_group.index_add(0, group, torch.ones_like(scores))[group]
-        centered = scores - (per_group.index_add(0, group, scores)[group] / size)
+        scores = _outcome_scores(token_level_rewards, response_mask)  # (B,)
+        size = _group_total(torch.ones_like(scores), group)
+        centered = scores - _group_total(scores, group) / size
         seq_adv = centered
         if norm_adv_by_std_in_grpo:
-            sum_sq = per_group.index_add(0, group, centered**2)[group]
-            std = torch.sqrt(sum_sq / torch.clamp(size - 1, min=1))
+            std = torch.sqrt(_group_total(centered**2, group) / torch.clamp(size - 1, min=1))
             seq_adv = centered / (std + epsilon)
-        seq_adv = torch.where(size > 1, seq_adv, torch.zeros_like(seq_adv)).float()
-        valid = response_mask != 0
-        advantages = torch.where(valid, seq_adv[:, None].expand(valid.shape), torch.zeros(valid.shape, device=device))
+        seq_adv = torch.where(size > 1, seq_adv, torch.zeros_like(seq_adv))
+        advantages = _broadcast_over_valid(seq_adv, response_mask)
     return advantages, advantages

@@ -21,12 +21,16 @@ differentiable scalar; the other three are detached scalar metrics. Add a loss w
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Any, Callable, Optional, Union
 
 import torch
 
 from hybridflow.algorithms.registry import Registry, unknown_name_error
 from hybridflow.algorithms.utils import masked_mean, masked_sum
+
+logger = logging.getLogger(__name__)
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to this before exp() so the ratio stays finite
 
@@ -349,3 +353,107 @@ def compute_policy_loss_vanilla(
         loss_agg_mode=loss_agg_mode,
         **agg_kwargs,
     )
+
+
+def _clip_range(config: Any, loss: str) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` from ``clip_ratio_low``/``clip_ratio_high``, each falling back to ``clip_ratio``."""
+    fallback = getattr(config, "clip_ratio", None)
+    low = getattr(config, "clip_ratio_low", None)
+    high = getattr(config, "clip_ratio_high", None)
+    low = fallback if low is None else low
+    high = fallback if high is None else high
+    if low is None or high is None:
+        raise ValueError(f"policy loss {loss!r} needs actor.clip_ratio, or both actor.clip_ratio_low and "
+                         f"actor.clip_ratio_high (got clip_ratio={fallback}, clip_ratio_low={low}, "
+                         f"clip_ratio_high={high})")
+    return float(low), float(high)
+
+
+GSPO_LOSS_AGG_MODE = "seq-mean-token-mean"  # the aggregation the GSPO objective prescribes
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_gspo_agg_mode(loss_agg_mode: str) -> None:
+    logger.warning("policy loss 'gspo' aggregates with %r as its objective prescribes; actor.loss_agg_mode=%r "
+                   "is ignored for the policy loss", GSPO_LOSS_AGG_MODE, loss_agg_mode)
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = GSPO_LOSS_AGG_MODE,
+    config: Any = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GSPO: PPO-style clipping of a sequence-level importance ratio (Zheng et al. 2025, arXiv 2507.18071).
+
+    With ``|y_i|`` the number of valid tokens of sequence ``i`` and ``sg`` the stop-gradient:
+
+    - sequence ratio (the geometric mean of the token ratios, the ``s_i`` of the GSPO objective,
+      eq. 5): ``s_i = exp(mean_t (log_prob - old_log_prob))`` over the valid tokens, the
+      log-ratio clamped to [-20, 20];
+    - GSPO-token form: ``s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]``, computed as
+      ``exp(sg[log s_i] + log_prob - sg[log_prob])``. Its value is ``s_i`` on every token and
+      ``d s_{i,t} / d log_prob_{i,t} = s_i``, so the gradient flows per token;
+    - per token ``l_{i,t} = max(-A_{i,t} s_{i,t}, -A_{i,t} clip(s_{i,t}, 1 - eps_low, 1 + eps_high))``
+      (no dual-clip), aggregated with ``"seq-mean-token-mean"``: ``(1 / N_seq) sum_i mean_t l_{i,t}``.
+
+    With the sequence advantage broadcast over its tokens (``A_{i,t} = A_i``, as every outcome
+    estimator returns) the loss equals the GSPO objective ``-(1/G) sum_i min(s_i A_i,
+    clip(s_i) A_i)`` in value and gradient: an unclipped token gets
+    ``d loss / d log_prob_{i,t} = -A_i s_i / (|y_i| N_seq)``, a clipped sequence gets 0.
+
+    ``loss_agg_mode``: GSPO's objective averages over sequences and then tokens, so the loss always
+    uses ``"seq-mean-token-mean"``; any other value is ignored (a warning is logged once per
+    value). ``agg_kwargs`` are forwarded (``num_seqs`` is the one this mode uses; pass the
+    mini-batch total when accumulating micro-batches). Only ``log_prob`` receives a gradient;
+    ``old_log_prob`` and ``advantages`` are treated as constants.
+
+    Reads ``clip_ratio_low`` / ``clip_ratio_high`` (each falling back to ``clip_ratio``) from
+    ``config``, the actor config. GSPO needs far smaller ranges than token-level PPO (the paper
+    uses 3e-4 and 4e-4); with the PPO default 0.2 the sequence ratio is practically never clipped.
+
+    Args:
+        old_log_prob: ``(B, T)`` log-probs of the behaviour (rollout-time) policy.
+        log_prob: ``(B, T)`` log-probs of the current policy (differentiable).
+        advantages: ``(B, T)`` advantages (normally constant along each sequence).
+        response_mask: ``(B, T)`` 0/1 mask of valid response tokens.
+        loss_agg_mode: ignored unless ``"seq-mean-token-mean"`` (see above).
+        config: actor config read by attribute.
+        **agg_kwargs: ``num_seqs`` (and, unused here, ``num_tokens`` / ``loss_scale_factor``).
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss; the fraction of valid
+        tokens whose clipped branch is active; the masked mean of ``old_log_prob - log_prob`` (token
+        level, clamped like the log-ratio); 0 (GSPO has no dual-clip). The last three are detached.
+
+    Raises:
+        ValueError: no clip range in ``config``, or input shapes differ.
+    """
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
+                      response_mask=response_mask)
+    low, high = _clip_range(config, "gspo")
+    if loss_agg_mode != GSPO_LOSS_AGG_MODE:
+        _warn_gspo_agg_mode(loss_agg_mode)
+
+    valid = response_mask != 0
+    zeros = torch.zeros_like(log_prob)
+    advantages = torch.where(valid, advantages.detach(), zeros)
+    log_ratio = torch.where(valid, log_prob.detach() - old_log_prob.detach(), zeros)
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    seq_log_ratio = masked_mean(log_ratio, valid, axis=-1)  # (B,), log s_i, detached
+    # value 0, gradient 1 w.r.t. log_prob on valid tokens; the where keeps padded garbage out
+    token_grad_path = torch.where(valid, log_prob - log_prob.detach(), zeros)
+    ratio = torch.exp(seq_log_ratio[:, None] + token_grad_path)  # (B, T): s_{i,t}
+    surrogate = -advantages * ratio
+    surrogate_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    pg_losses = torch.maximum(surrogate, surrogate_clipped)
+
+    pg_loss = agg_loss(pg_losses, response_mask, GSPO_LOSS_AGG_MODE, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((surrogate_clipped > surrogate).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl)

@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "data.truncation": ("error", "left", "right", "filter"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.nonfinite_grad": ("skip", "error"),
     "actor_rollout_ref.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),

@@ -154,6 +154,7 @@ class DataConfig:
 class RewardConfig:
     reward_manager: str = "naive"  # how scores become token-level rewards
     compute_score: str = "default"  # registered scoring function name
+    error_score: Optional[float] = None  # score used when a reward function raises; None stops with an error
 
 
 @dataclass
@@ -171,13 +172,26 @@ class TrainerConfig:
     nnodes: int = 1
     n_gpus_per_node: int = 2  # ranks per node (processes on CPU, GPUs on GPU machines)
     device: str = "auto"  # auto | cpu | cuda
-    save_freq: int = -1  # save a checkpoint every N steps; -1 disables
+    save_freq: int = -1  # save a checkpoint every N steps (and at the last step); -1 disables
+    resume_mode: str = "auto"  # auto (latest checkpoint in default_local_dir, if any) | disable | a checkpoint path
+    max_ckpt_to_keep: Optional[int] = None  # keep the newest N checkpoints; None keeps all
+    nonfinite_grad: str = "skip"  # skip (drop the optimizer step, count it) | error (stop with a clear error)
     test_freq: int = 10  # validate every N steps; -1 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     seed: int = 1  # model init / sampling seed
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+
+
+@dataclass
+class ResourcePoolConfig:
+    # pool name -> ranks per node, e.g. {"global_pool": [2]}; None means one pool "global_pool" with
+    # trainer.n_gpus_per_node ranks on each of trainer.nnodes nodes
+    pools: Optional[dict[str, list[int]]] = None
+    # role -> pool name for the roles actor (actor+rollout+ref), critic, reward; a role not listed goes to
+    # "global_pool". Roles mapped to the same pool share its devices and take turns (colocation).
+    mapping: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -188,3 +202,4 @@ class HybridFlowConfig:
     reward_model: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)

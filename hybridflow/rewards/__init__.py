@@ -2,17 +2,19 @@
 
 ``register_reward(*data_sources)`` registers a scorer ``fn(solution_str, ground_truth, extra_info)
 -> float`` for one or more data sources; ``default_compute_score`` dispatches to it (verl's name and
-argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict.
+argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict;
+``MATH_DATA_SOURCES`` -> the MATH reward (last ``\\boxed{}``, equivalence through ``math-verify``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from hybridflow.rewards import gsm8k
+from hybridflow.rewards import gsm8k, math
 
 RewardFn = Callable[[str, str, Any], float]
 REWARD_REGISTRY: dict[str, RewardFn] = {}
+MATH_DATA_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
 
 
 def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
@@ -57,4 +59,9 @@ def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) 
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
 
 
-__all__ = ["REWARD_REGISTRY", "default_compute_score", "register_reward", "gsm8k"]
+@register_reward(*MATH_DATA_SOURCES)
+def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    return math.compute_score(solution_str, ground_truth)
+
+
+__all__ = ["REWARD_REGISTRY", "MATH_DATA_SOURCES", "default_compute_score", "register_reward", "gsm8k", "math"]

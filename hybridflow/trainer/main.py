@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hybridflow.trainer.setup import build_data, build_worker_groups, init_ray, total_training_steps
+from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.utils.tracking import Tracking
 
@@ -21,19 +21,25 @@ def run_ppo(config) -> dict:
     total = total_training_steps(config, steps_per_epoch)
     started_ray = init_ray(config)
     try:
-        groups = build_worker_groups(config, total)
-        tracker = Tracking(
-            project_name=config.trainer.project_name,
-            experiment_name=config.trainer.experiment_name,
-            default_local_dir=config.trainer.default_local_dir,
-            backends=list(config.trainer.logger),
-            config=config,
-        )
-        trainer = PPOTrainer(config, groups["actor"], groups.get("critic"), groups["reward"], tracker)
-        result = trainer.fit(train_batches, val_data, total)
-        tracker.finish()
-        logger.info("metrics written to %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
-        return result
+        with worker_groups(config, total) as groups:
+            return _train(config, groups, train_batches, val_data, total)
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _train(config, groups, train_batches, val_data, total) -> dict:
+    tracker = Tracking(
+        project_name=config.trainer.project_name,
+        experiment_name=config.trainer.experiment_name,
+        default_local_dir=config.trainer.default_local_dir,
+        backends=list(config.trainer.logger),
+        config=config,
+    )
+    try:
+        trainer = PPOTrainer(config, groups["actor"], groups.get("critic"), groups["reward"], tracker)
+        result = trainer.fit(train_batches, val_data, total)
+    finally:
+        tracker.finish()
+    logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
+    return result

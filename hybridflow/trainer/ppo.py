@@ -9,15 +9,17 @@ One step = generate -> reward -> reference logprobs -> old logprobs -> values ->
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.steps import apply_kl_penalty, compute_advantage, compute_data_metrics, compute_timing_metrics
+from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
@@ -39,6 +41,29 @@ class PPOTrainer:
         self.tracker = tracker
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
+        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
+
+    def _trained_groups(self) -> dict:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def save_checkpoint(self) -> str:
+        """Checkpoint every trained worker group (sharded, per rank) and the driver state, atomically."""
+        writers = {name: group.save_checkpoint for name, group in self._trained_groups().items()}
+        state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict()}
+        return self.checkpoints.save(self.global_step, writers, state)
+
+    def resume(self) -> int:
+        """Load the checkpoint chosen by ``trainer.resume_mode`` (if any); returns the step to continue from."""
+        path = self.checkpoints.resolve(self.config.trainer.resume_mode)
+        if path is None:
+            return 0
+        for name, group in self._trained_groups().items():
+            group.load_checkpoint(os.path.join(path, name))
+        state = load_trainer_state(path)
+        self.global_step = state["global_step"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        logger.info("resumed from %s at step %d", path, self.global_step)
+        return self.global_step
 
     def step(self, batch: DataProto) -> dict[str, float]:
         """One PPO iteration on a batch of prompts; returns its metrics."""
@@ -83,26 +108,34 @@ class PPOTrainer:
         compute_advantage(batch, alg)
         return metrics
 
-    def fit(self, train_batches: Iterable[DataProto], val_data: DataProto | None, total_steps: int) -> dict:
-        """Run ``total_steps`` PPO steps over ``train_batches``, validating every ``trainer.test_freq`` steps
-        (and before training with ``val_before_train``). Returns the last validation metrics."""
+    def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
+            total_steps: int) -> dict:
+        """Resume if a checkpoint says so, then run PPO steps up to ``total_steps``: ``train_batches(step)``
+        yields the batches from global step ``step`` on. Validates every ``trainer.test_freq`` steps and at the
+        end (and before training with ``val_before_train``, unless resuming); checkpoints every
+        ``trainer.save_freq`` steps and at the end. Returns the last validation metrics."""
         cfg = self.config.trainer
         val_metrics: dict[str, float] = {}
-        if val_data is not None and cfg.val_before_train:
+        start = self.resume()
+        if val_data is not None and cfg.val_before_train and start == 0:
             val_metrics = validate(self.config, self.actor, self.reward, val_data)
             self.tracker.log(val_metrics, step=0)
-        for batch in train_batches:
+        for batch in train_batches(start):
             if self.global_step >= total_steps:
                 break
             self.global_step += 1
-            start = time.perf_counter()
+            step_start = time.perf_counter()
             metrics = self.step(batch)
             last = self.global_step == total_steps
             if val_data is not None and cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
                 val_start = time.perf_counter()
                 val_metrics = validate(self.config, self.actor, self.reward, val_data)
                 metrics.update(val_metrics, **{"timing_s/testing": time.perf_counter() - val_start})
-            metrics["timing_s/iteration"] = time.perf_counter() - start
+            if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
+                save_start = time.perf_counter()
+                self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
+            metrics["timing_s/iteration"] = time.perf_counter() - step_start
             self.tracker.log(metrics, step=self.global_step)
         return val_metrics
 

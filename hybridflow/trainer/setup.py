@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import contextmanager
 import logging
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
+from hybridflow.config import need_critic
+from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
 from hybridflow.models.hf import load_tokenizer
@@ -19,10 +22,6 @@ from hybridflow.workers.critic_worker import CriticWorker
 from hybridflow.workers.reward_worker import RuleRewardWorker
 
 logger = logging.getLogger(__name__)
-
-#: estimators that need a learned value function
-CRITIC_ESTIMATORS = ("gae",)
-
 
 def init_ray(config) -> bool:
     """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set, else start a local cluster whose
@@ -41,20 +40,15 @@ def init_ray(config) -> bool:
     return True
 
 
-def use_critic(config) -> bool:
-    """``critic.enable`` if set, else whether the advantage estimator needs values."""
-    if config.critic.enable is not None:
-        return bool(config.critic.enable)
-    return config.algorithm.adv_estimator in CRITIC_ESTIMATORS
-
-
 def _rows(files, split: str, size: int, seed: int, prompt_key: str) -> list[dict]:
     return load_rows(files, prompt_key) if files else make_builtin_rows(split, size, seed)
 
 
-def build_data(config) -> tuple[Iterator[DataProto], DataProto, int]:
-    """Train batches (an endless iterator over epochs, reshuffled per epoch with ``data.seed``), the whole
-    validation set as one left-padded DataProto, and the number of steps per epoch."""
+def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
+    """``batches(start_step)``: the train batches from global step ``start_step`` on (an endless iterator over
+    epochs, each a permutation seeded by ``data.seed + epoch``, so the position is a pure function of the step
+    and a resumed run sees exactly the batches it would have seen); the whole validation set as one
+    left-padded DataProto; the number of steps per epoch."""
     data = config.data
     model = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
@@ -74,16 +68,17 @@ def build_data(config) -> tuple[Iterator[DataProto], DataProto, int]:
     def collate(features):
         return collate_fn(features, tokenizer.pad_token_id, data.max_prompt_length)
 
-    def batches() -> Iterator[DataProto]:
-        for epoch in itertools.count():
+    def batches(start_step: int = 0) -> Iterator[DataProto]:
+        for epoch in itertools.count(start_step // steps_per_epoch):
             gen = torch.Generator().manual_seed(data.seed + epoch)
             order = torch.randperm(len(train), generator=gen) if data.shuffle else torch.arange(len(train))
-            for i in range(steps_per_epoch):
+            first = start_step % steps_per_epoch if epoch == start_step // steps_per_epoch else 0
+            for i in range(first, steps_per_epoch):
                 idx = order[i * data.train_batch_size : (i + 1) * data.train_batch_size]
                 yield collate([train[int(j)] for j in idx])
 
     val_data = collate([val[i] for i in range(len(val))])
-    return batches(), val_data, steps_per_epoch
+    return batches, val_data, steps_per_epoch
 
 
 def total_training_steps(config, steps_per_epoch: int) -> int:
@@ -93,23 +88,48 @@ def total_training_steps(config, steps_per_epoch: int) -> int:
     return int(config.trainer.total_epochs * steps_per_epoch)
 
 
-def build_worker_groups(config, total_steps: int) -> dict[str, RayWorkerGroup]:
-    """Spawn the actor(+rollout+ref) and critic groups on one shared pool of ``n_gpus_per_node x nnodes``
-    ranks (each group has that many ranks; they take turns on the same devices), and the rule reward on a
-    one-rank pool. Calls ``init_model`` on each (in parallel)."""
+DEFAULT_POOL = "global_pool"
+
+
+def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Pools (name -> ranks per node) and the role -> pool mapping from ``resource_pool``; the default is one
+    pool of ``n_gpus_per_node x nnodes`` ranks shared by every role.
+
+    Raises:
+        ValueError: a role maps to a pool that is not defined (the message lists the pools).
+    """
     tr = config.trainer
-    pool = ResourcePool([tr.n_gpus_per_node] * tr.nnodes, max_colocate_count=3, name_prefix="global")
-    reward_pool = ResourcePool([1], max_colocate_count=1, name_prefix="reward")
-    groups = {"actor": RayWorkerGroup(pool, RayClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"),
-                                      name_prefix="actor")}
-    if use_critic(config):
-        groups["critic"] = RayWorkerGroup(pool, RayClassWithInitArgs(CriticWorker, config), name_prefix="critic")
-    groups["reward"] = RayWorkerGroup(reward_pool, RayClassWithInitArgs(RuleRewardWorker, config),
-                                      name_prefix="reward")
-    # init in parallel: the reward is cheap; actor and critic load concurrently
-    for name, group in groups.items():
-        if name == "reward":
-            group.init_model()
-        else:
-            group.init_model(total_steps)
-    return groups
+    pools = dict(config.resource_pool.pools or {DEFAULT_POOL: [tr.n_gpus_per_node] * tr.nnodes})
+    mapping = {role: config.resource_pool.mapping.get(role, DEFAULT_POOL) for role in ("actor", "critic", "reward")}
+    for role, pool in mapping.items():
+        if pool not in pools:
+            raise ValueError(f"resource_pool.mapping.{role} names pool {pool!r}, but the pools are {sorted(pools)}")
+    return {k: list(v) for k, v in pools.items()}, mapping
+
+
+@contextmanager
+def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
+    """Spawn the actor(+rollout+ref), critic (if used) and rule-reward groups on their resource pools (each
+    group has as many ranks as its pool; groups on one pool share its devices and take turns), run every
+    group's ``init_model`` concurrently, and yield ``{role: group}``. On exit (also on error) the pools are
+    removed, which ends their actors, so a long-lived Ray cluster is left as it was found."""
+    pools_spec, mapping = resource_pool_spec(config)
+    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"),
+             "reward": RayClassWithInitArgs(RuleRewardWorker, config)}
+    if need_critic(config):
+        roles["critic"] = RayClassWithInitArgs(CriticWorker, config)
+    sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
+    pools: dict[str, ResourcePool] = {}
+    try:
+        for name, nodes in pools_spec.items():
+            if sharing[name]:
+                pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
+        groups = {role: RayWorkerGroup(pools[mapping[role]], cls, name_prefix=role) for role, cls in roles.items()}
+        pending = {role: group.execute_all_async("init_model", *(() if role == "reward" else (total_steps,)))
+                   for role, group in groups.items()}
+        for role, refs in pending.items():  # WorkerError names the role and rank of a failed init
+            get_outputs(refs, range(len(refs)), groups[role].name, "init_model")
+        yield groups
+    finally:
+        for pool in pools.values():
+            pool.remove()

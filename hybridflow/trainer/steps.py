@@ -62,6 +62,8 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
         metrics.update(_stats("critic/values", b["values"][mask]))
     metrics.update(_stats("response_length", maskf.sum(-1)))
     metrics.update(_stats("prompt_length", b["attention_mask"][:, : -mask.shape[1]].float().sum(-1)))
+    if "reward_error" in b:
+        metrics["reward/errors"] = float(b["reward_error"].sum())
     metrics["response_length/clip_ratio"] = (maskf.sum(-1) >= mask.shape[1]).float().mean().item()
     if "ref_log_prob" in b:
         kl = b["old_log_probs"] - b["ref_log_prob"]

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from types import SimpleNamespace
 
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, iter_full_state, resolve_dtype
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
@@ -31,9 +33,12 @@ logger = logging.getLogger(__name__)
 ROLES = ("actor_rollout_ref", "actor_rollout", "ref")
 
 
-def set_worker_threads() -> None:
-    """One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (ranks share the host's cores)."""
+def setup_worker_process() -> None:
+    """Per-process settings of a training worker: one intra-op thread per rank unless OMP_NUM_THREADS says
+    otherwise (ranks share the host's cores); silence FSDP2's warning about view outputs (the workers only
+    slice model outputs out of place)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
 class ActorRolloutRefWorker(Worker):
@@ -56,7 +61,7 @@ class ActorRolloutRefWorker(Worker):
     def init_model(self, total_training_steps: int) -> None:
         """Join the process group, load the policy (+ reference), shard with FSDP2, build the rollout.
         ``total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
-        set_worker_threads()
+        setup_worker_process()
         init_distributed()
         cfg = self.config.actor_rollout_ref
         torch.manual_seed(self.config.trainer.seed)
@@ -74,7 +79,7 @@ class ActorRolloutRefWorker(Worker):
             module = apply_fsdp2(module.to(self.device), mesh)
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
-            self.actor = PPOActor(module, optimizer, cfg.actor, temperature)
+            self.actor = PPOActor(module, optimizer, cfg.actor, temperature, self.config.trainer.nonfinite_grad)
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
             rollout_cfg = SimpleNamespace(
                 response_length=self.config.data.max_response_length,
@@ -144,3 +149,18 @@ class ActorRolloutRefWorker(Worker):
         self.lr_scheduler.step()
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's shards of the actor weights and optimizer, its lr-scheduler and RNG state."""
+        save_sharded(path, self.actor.module, self.actor.optimizer,
+                     {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.actor.skipped_steps})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same number of ranks); the rollout re-syncs its weights."""
+        extra = load_sharded(path, self.actor.module, self.actor.optimizer)
+        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self.actor.skipped_steps = extra["skipped_steps"]
+        self._rollout_stale = True
+

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
 from hybridflow.models.hf import load_value_model
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
-from hybridflow.workers.actor_worker import set_worker_threads
+from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.optim import build_lr_scheduler, build_optimizer
 from hybridflow.workers.ppo_critic import PPOCritic
 
@@ -27,7 +28,7 @@ class CriticWorker(Worker):
     def init_model(self, total_training_steps: int) -> None:
         """Join the process group, load the value model (backbone from ``critic.model.path`` or the actor's
         path, fresh scalar head), shard with FSDP2, build AdamW and the lr schedule."""
-        set_worker_threads()
+        setup_worker_process()
         init_distributed()
         cfg = self.config.critic
         torch.manual_seed(self.config.trainer.seed + 1)
@@ -42,7 +43,7 @@ class CriticWorker(Worker):
         module = apply_fsdp2(module.to(device), mesh)
         optimizer = build_optimizer(module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_training_steps)
-        self.critic = PPOCritic(module, optimizer, cfg)
+        self.critic = PPOCritic(module, optimizer, cfg, self.config.trainer.nonfinite_grad)
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
     @report_time
@@ -62,3 +63,17 @@ class CriticWorker(Worker):
         metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's shards of the critic weights and optimizer, its lr-scheduler and RNG state."""
+        save_sharded(path, self.critic.module, self.critic.optimizer,
+                     {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.critic.skipped_steps})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote (same number of ranks)."""
+        extra = load_sharded(path, self.critic.module, self.critic.optimizer)
+        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self.critic.skipped_steps = extra["skipped_steps"]
+

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from hybridflow.distributed import all_reduce_sum
+from hybridflow.distributed import all_reduce_sum, clip_grad_norm
 from hybridflow.protocol import DataProto
 
 
@@ -52,3 +54,18 @@ def global_agg_kwargs(mini: DataProto, response_length: int) -> dict:
         "num_seqs": float(total[1]) / dp,
         "loss_scale_factor": float(response_length),
     }
+
+
+def apply_gradients(module: torch.nn.Module, optimizer, grad_clip: float, nonfinite_grad: str, role: str) -> tuple[float, bool]:
+    """Clip the accumulated gradients to ``grad_clip`` and take the optimizer step, unless the norm is NaN/inf:
+    then the gradients are dropped and, with ``nonfinite_grad="error"``, ``FloatingPointError`` is raised
+    (naming ``role``). Returns ``(grad_norm, skipped)``; the weights never see a non-finite gradient."""
+    grad_norm = clip_grad_norm(module.parameters(), grad_clip)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        return grad_norm, False
+    optimizer.zero_grad(set_to_none=True)
+    if nonfinite_grad == "error":
+        raise FloatingPointError(f"{role} gradient norm is {grad_norm} (loss or gradient is NaN/inf); weights left "
+                                 "unchanged (trainer.nonfinite_grad=error)")
+    return grad_norm, True

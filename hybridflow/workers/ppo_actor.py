@@ -5,15 +5,13 @@ Shapes: (B, R) = sequences on this rank, response tokens; (B, P+R) = prompt + re
 
 from __future__ import annotations
 
-import math
-from contextlib import nullcontext
 
 import torch
 
 from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits
-from hybridflow.distributed import all_reduce_mean, clip_grad_norm
+from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
-from hybridflow.workers.micro import global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
 
 
 class PPOActor:
@@ -25,10 +23,15 @@ class PPOActor:
         config: the ``actor_rollout_ref.actor`` config section.
         temperature: the rollout sampling temperature; logits are divided by it so the recomputed
             logprobs are those of the distribution the rollout sampled from.
+        nonfinite_grad: ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
+            ``actor/skipped_steps``); ``error`` raises ``FloatingPointError`` instead. Either way the
+            non-finite gradient never reaches the weights.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer, config, temperature: float) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer, config, temperature: float,
+                 nonfinite_grad: str = "skip") -> None:
         self.module = module
+        self.nonfinite_grad = nonfinite_grad
         self.optimizer = optimizer
         self.config = config
         self.temperature = temperature if temperature > 0 else 1.0
@@ -94,12 +97,9 @@ class PPOActor:
                 _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
                 _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
                 _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
-            grad_norm = clip_grad_norm(self.module.parameters(), cfg.grad_clip)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                self.skipped_steps += 1
+            grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
+                                                 "actor")
+            self.skipped_steps += int(skipped)
             stats["actor/grad_norm"] = grad_norm
             for key, value in stats.items():
                 _add(sums, key, value)

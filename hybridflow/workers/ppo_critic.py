@@ -5,21 +5,20 @@ Shapes: (B, R) = sequences on this rank, response tokens.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
-from hybridflow.distributed import all_reduce_mean, clip_grad_norm
+from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
-from hybridflow.workers.micro import global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
 
 
 class PPOCritic:
     """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank."""
 
-    def __init__(self, module: torch.nn.Module, optimizer, config) -> None:
+    def __init__(self, module: torch.nn.Module, optimizer, config, nonfinite_grad: str = "skip") -> None:
         self.module = module
+        self.nonfinite_grad = nonfinite_grad
         self.optimizer = optimizer
         self.config = config
         self.skipped_steps = 0
@@ -59,12 +58,9 @@ class PPOCritic:
                 stats["critic/vf_clipfrac"] = stats.get("critic/vf_clipfrac", 0.0) + vf_clipfrac.item() * frac
                 vpred_mean = masked_mean(vpreds.detach(), mask).item() * frac
                 stats["critic/vpred_mean"] = stats.get("critic/vpred_mean", 0.0) + vpred_mean
-            grad_norm = clip_grad_norm(self.module.parameters(), cfg.grad_clip)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-                self.skipped_steps += 1
+            grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
+                                                 "critic")
+            self.skipped_steps += int(skipped)
             stats["critic/grad_norm"] = grad_norm
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value

@@ -126,23 +126,22 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
     return model
 
 
-def _encode_pool(tokenizer, problems: list[ArithProblem]):
-    """Token ids per problem: (prompt, full-solution response, shortcut response), EOS appended."""
+def _encode(tokenizer, problem: ArithProblem):
+    """Token ids (prompt, full-solution response, shortcut response); responses end in EOS."""
     eos = [tokenizer.eos_token_id]
-    pool = []
-    for p in problems:
-        prompt = tokenizer(render_prompt(tokenizer, p.question), add_special_tokens=False).input_ids
-        full = tokenizer(response_text(p.solution), add_special_tokens=False).input_ids + eos
-        short = tokenizer(response_text(p.shortcut_solution), add_special_tokens=False).input_ids
-        pool.append((prompt, full, short + eos))
-    return pool
+    prompt = render_prompt(tokenizer, problem.question)
+    full = response_text(problem.solution)
+    short = response_text(problem.shortcut_solution)
+    return tuple(
+        tokenizer(text, add_special_tokens=False).input_ids + tail
+        for text, tail in ((prompt, []), (full, eos), (short, eos))
+    )
 
 
-def _make_batch(pool, indices, use_full, pad_id):
+def _make_batch(examples, use_full, pad_id):
     """Right-padded (B, L) input ids, attention mask, and labels (-100 outside the response)."""
     seqs, labels = [], []
-    for i, full in zip(indices, use_full):
-        prompt, full_ids, short_ids = pool[i]
+    for (prompt, full_ids, short_ids), full in zip(examples, use_full):
         response = full_ids if full else short_ids
         seqs.append(prompt + response)
         labels.append([-100] * len(prompt) + response)
@@ -173,7 +172,7 @@ def sft_train(
     AdamW, linear warmup (5% of steps) then cosine decay to 10% of ``lr``. Returns the loss per step.
     """
     rng = random.Random(seed)
-    pool = _encode_pool(tokenizer, problems)
+    encoded: dict[int, tuple] = {}  # problem index -> _encode(...), filled on first use
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
 
@@ -187,9 +186,13 @@ def sft_train(
     model.train()
     losses = []
     for step in range(steps):
-        indices = [rng.randrange(len(pool)) for _ in range(batch_size)]
+        indices = [rng.randrange(len(problems)) for _ in range(batch_size)]
         use_full = [rng.random() < correct_fraction for _ in range(batch_size)]
-        input_ids, mask, labels = _make_batch(pool, indices, use_full, tokenizer.pad_token_id)
+        for i in indices:
+            if i not in encoded:
+                encoded[i] = _encode(tokenizer, problems[i])
+        examples = [encoded[i] for i in indices]
+        input_ids, mask, labels = _make_batch(examples, use_full, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -217,7 +220,7 @@ def build(
     *,
     steps: int,
     batch_size: int = 64,
-    lr: float = 2e-3,
+    lr: float = 3e-3,
     correct_fraction: float = 0.35,
     seed: int = 0,
     num_train_problems: int = 20000,
@@ -256,13 +259,13 @@ def build(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=3000, help="SFT steps")
+    parser.add_argument("--steps", type=int, default=1500, help="SFT steps")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--correct-fraction", type=float, default=0.35,
                         help="share of SFT responses that are the full correct solution")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rl-updates", type=int, default=60)
     parser.add_argument("--rl-batch", type=int, default=64)
     parser.add_argument("--rl-lr", type=float, default=5e-4)
+    parser.add_argument("--rl-eval-every", type=int, default=10, help="updates between val evals")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -182,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"model": args.model, "before": evaluate(model, tokenizer, val_rows, samples=args.samples)}
     if args.rl_smoke:
         result["rl"] = rl_smoke(model, tokenizer, val_rows, updates=args.rl_updates,
-                                batch=args.rl_batch, lr=args.rl_lr, seed=args.seed)
+                                batch=args.rl_batch, lr=args.rl_lr, seed=args.seed,
+                                eval_every=args.rl_eval_every)
         result["after"] = evaluate(model, tokenizer, val_rows, samples=args.samples)
     print(json.dumps(result, indent=2))
 

@@ -1,0 +1,583 @@
+"""Auto-mapping: HybridFlow's Algorithm 1 (Sheng et al. 2024, arXiv 2409.19256, §6).
+
+For every placement (a partition of the models into sets; models of one set share devices and take turns), for
+every allocation of the cluster's devices to the sets, and for each model its best parallel layouts on its
+set's devices (``auto_parallel``), estimate the iteration time (``d_cost``): in each stage, models of one set
+add up and different sets run at the same time (the stage takes the slowest set); the iteration is the sum of
+its stages. Return the best plan and the runners-up.
+
+Search space and pruning:
+
+- set sizes are divisors of ``unit`` devices (default: one node) or multiples of it, and the sets must pack
+  onto the nodes (a set's part below a whole node shares one node with others);
+- a layout's tp divides both the set size and the node size (tp stays inside a node), divides the number of
+  heads, and pp divides the number of layers; generation layouts reshard from the training layout (their
+  tp·pp divides, or is a multiple of, the training tp·pp: the 3D-HybridEngine's micro-dp groups);
+- a model's layouts whose states and activations do not fit alone are dropped, and so are layouts that are
+  slower *and* need more memory than another (Pareto front on time, persistent and transient bytes);
+- colocated models' layouts are chosen together (their states share the devices' memory; the actor's KV cache
+  takes what is left), by branch and bound on the set's summed time;
+- caching: a role's layouts per set size, and a set's best layouts per (models, size), are computed once and
+  shared by every placement and allocation; ``get_min_alloc`` is the smallest size a set fits on.
+
+Choosing each set's layouts by its own summed time (not by the stage maxima across sets) is the paper's
+``auto_parallel`` simplification; with memory-coupled colocated models it is a heuristic, not exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from hybridflow.mapping.cost import (
+    CostParams,
+    Layout,
+    activation_bytes_infer,
+    activation_bytes_train,
+    gen_extra_weight_bytes,
+    generate_time,
+    infer_time,
+    model_state_bytes,
+    reshard_time,
+    train_time,
+)
+from hybridflow.mapping.dataflow import STAGES, VALUE_ROLES, Work, works
+from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload, ceil_div, divisors
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MappingSearch", "PhaseEstimate", "Placement", "Plan", "RoleMemory", "SearchResult", "SearchSpace",
+    "SetEstimate", "baseline_placements", "pack_sets", "search", "set_partitions", "set_sizes",
+]
+
+Placement = tuple[tuple[str, ...], ...]
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Limits of the search: the largest tp and pp (default: devices per node, and layers) and the set-size
+    ``unit`` (default: devices per node)."""
+
+    max_tp: int | None = None
+    max_pp: int | None = None
+    unit: int | None = None
+
+
+@dataclass(frozen=True)
+class PhaseEstimate:
+    """One work of a role in a plan: ``kind`` (generate | infer | train | reshard) in ``stage`` on ``layout``;
+    for generation, the decode ``waves`` and concurrent ``batch`` per replica."""
+
+    role: str
+    kind: str
+    stage: str
+    layout: Layout
+    seconds: float
+    sequences: int = 0
+    waves: int = 0
+    batch: int = 0
+    greedy: bool = False
+
+    def to_dict(self) -> dict:
+        out = {"role": self.role, "kind": self.kind, "stage": self.stage, "layout": self.layout.as_list(),
+               "seconds": round(self.seconds, 4), "sequences": self.sequences}
+        if self.kind == "generate":
+            out.update(waves=self.waves, batch_per_replica=self.batch, greedy=self.greedy)
+        return out
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Bytes per device of one role: persistent states, and the peak transient of its forward/training
+    phases (generation is accounted on the set: ``SetEstimate.gen_bytes``)."""
+
+    role: str
+    layout: Layout
+    weights: float
+    grads: float
+    optimizer: float
+    transient: float
+
+    @property
+    def persistent(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class SetEstimate:
+    """A set of colocated models on ``devices`` devices with their chosen layouts, phase times and memory."""
+
+    roles: tuple[str, ...]
+    devices: int
+    phases: tuple[PhaseEstimate, ...]
+    memory: tuple[RoleMemory, ...]
+    gen_bytes: float  # generation's extra weight shard + the KV cache it fills, per device (0 without the actor)
+    usable_bytes: float
+
+    @property
+    def persistent(self) -> float:
+        return sum(m.persistent for m in self.memory)
+
+    @property
+    def peak_bytes(self) -> float:
+        """Persistent states of every model + the largest transient of any phase, per device."""
+        return self.persistent + max([m.transient for m in self.memory] + [self.gen_bytes])
+
+    def stage_seconds(self, stage: str) -> float:
+        return sum(p.seconds for p in self.phases if p.stage == stage)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases)
+
+    def to_dict(self) -> dict:
+        return {
+            "roles": list(self.roles), "devices": self.devices,
+            "stages": {s: round(self.stage_seconds(s), 4) for s in STAGES},
+            "phases": [p.to_dict() for p in self.phases],
+            "memory_gb": {"usable": round(self.usable_bytes / GB, 3), "peak": round(self.peak_bytes / GB, 3),
+                          "generation": round(self.gen_bytes / GB, 3),
+                          "roles": {m.role: {"layout": m.layout.as_list(), "weights": round(m.weights / GB, 3),
+                                             "grads": round(m.grads / GB, 3),
+                                             "optimizer": round(m.optimizer / GB, 3),
+                                             "transient": round(m.transient / GB, 3)} for m in self.memory}},
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement with its allocation and layouts; ``seconds`` is the estimated iteration time (d_cost)."""
+
+    sets: tuple[SetEstimate, ...]
+
+    @property
+    def placement(self) -> Placement:
+        return tuple(s.roles for s in self.sets)
+
+    @property
+    def allocation(self) -> tuple[int, ...]:
+        return tuple(s.devices for s in self.sets)
+
+    @property
+    def stage_seconds(self) -> dict[str, float]:
+        """Per stage, the slowest set (sets on different devices run at the same time)."""
+        return {stage: max(s.stage_seconds(stage) for s in self.sets) for stage in STAGES}
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stage_seconds.values())
+
+    def set_of(self, role: str) -> SetEstimate:
+        """The set holding ``role`` (KeyError if none)."""
+        for s in self.sets:
+            if role in s.roles:
+                return s
+        raise KeyError(f"role {role!r} is not in this plan (roles: {[r for s in self.sets for r in s.roles]})")
+
+    def describe(self) -> str:
+        return " | ".join(f"{'+'.join(s.roles)} ({s.devices})" for s in self.sets)
+
+    def to_dict(self) -> dict:
+        return {"seconds": round(self.seconds, 4), "stages": {k: round(v, 4) for k, v in self.stage_seconds.items()},
+                "placement": [list(r) for r in self.placement], "allocation": list(self.allocation),
+                "sets": [s.to_dict() for s in self.sets]}
+
+
+@dataclass
+class SearchResult:
+    """Best plan, the ``top`` plans (best first), each placement's best plan, the baselines (colocate,
+    standalone, split; None when infeasible) and search statistics."""
+
+    best: Plan | None
+    top: list[Plan]
+    by_placement: dict[Placement, Plan]
+    baselines: dict[str, Plan | None]
+    seconds: float
+    placements: int
+    allocations: int
+    set_evaluations: int = 0
+    infeasible_placements: list[Placement] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "best": self.best.to_dict() if self.best else None,
+            "top": [{"seconds": round(p.seconds, 4), "plan": p.describe(), "allocation": list(p.allocation),
+                     "placement": [list(r) for r in p.placement]} for p in self.top],
+            "baselines": {k: (None if p is None else {"seconds": round(p.seconds, 4), "plan": p.describe()})
+                          for k, p in self.baselines.items()},
+            "search": {"seconds": round(self.seconds, 3), "placements": self.placements,
+                       "allocations": self.allocations, "set_evaluations": self.set_evaluations,
+                       "infeasible_placements": [[list(r) for r in p] for p in self.infeasible_placements]},
+        }
+
+
+# ---------------------------------------------------------------------------------------------- placements
+
+
+def set_partitions(items: Sequence[str]) -> Iterator[Placement]:
+    """Every partition of ``items`` into non-empty sets (Bell(len) of them), from all-in-one to all-apart;
+    sets keep the order of ``items`` and are ordered by their first item."""
+    items = list(items)
+
+    def rec(i: int, blocks: list[list[str]]) -> Iterator[Placement]:
+        if i == len(items):
+            yield tuple(tuple(b) for b in blocks)
+            return
+        for b in blocks:
+            b.append(items[i])
+            yield from rec(i + 1, blocks)
+            b.pop()
+        blocks.append([items[i]])
+        yield from rec(i + 1, blocks)
+        blocks.pop()
+
+    yield from rec(0, [])
+
+
+def canonical(placement: Sequence[Sequence[str]], roles: Sequence[str]) -> Placement:
+    """``placement`` in ``set_partitions`` order (roles in ``roles`` order, sets by their first role)."""
+    order = {r: i for i, r in enumerate(roles)}
+    sets = [tuple(sorted(s, key=order.__getitem__)) for s in placement]
+    return tuple(sorted(sets, key=lambda s: order[s[0]]))
+
+
+def baseline_placements(roles: Sequence[str]) -> dict[str, Placement | None]:
+    """The placements the paper compares against: ``colocate`` (all models on all devices), ``standalone``
+    (every model on its own devices) and ``split`` (actor + reference | the others; None with no others)."""
+    roles = list(roles)
+    first = [r for r in roles if r in ("actor", "reference")]
+    rest = [r for r in roles if r not in first]
+    return {"colocate": (tuple(roles),), "standalone": tuple((r,) for r in roles),
+            "split": canonical([first, rest], roles) if first and rest else None}
+
+
+def set_sizes(cluster: ClusterSpec, unit: int | None = None) -> list[int]:
+    """Allowed set sizes: divisors of ``unit`` (default devices per node) and its multiples, up to the cluster."""
+    unit = unit or cluster.devices_per_node
+    if unit < 1:
+        raise SpecError(f"set-size unit must be >= 1, got {unit}")
+    sizes = set(divisors(unit)) | set(range(unit, cluster.n_devices + 1, unit))
+    return sorted(s for s in sizes if s <= cluster.n_devices)
+
+
+def pack_sets(sizes: Sequence[int], cluster: ClusterSpec) -> list[list[int]] | None:
+    """Devices per node of each set (the ``resource_pool.pools`` lists), or None if they do not fit.
+
+    Whole nodes first; the part of each set below a node is packed first-fit-decreasing onto the remaining
+    nodes (so a set never straddles more partial nodes than needed).
+    """
+    dpn = cluster.devices_per_node
+    whole = sum(s // dpn for s in sizes)
+    if whole > cluster.nodes:
+        return None
+    free = [dpn] * (cluster.nodes - whole)
+    pools = [[dpn] * (s // dpn) for s in sizes]
+    for i in sorted(range(len(sizes)), key=lambda i: -(sizes[i] % dpn)):
+        rem = sizes[i] % dpn
+        if not rem:
+            continue
+        slot = next((j for j, f in enumerate(free) if f >= rem), None)
+        if slot is None:
+            return None
+        free[slot] -= rem
+        pools[i].append(rem)
+    return pools
+
+
+# ---------------------------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """One layout of one role on n devices (generation excluded): its phases, time and memory."""
+
+    layout: Layout
+    phases: tuple[PhaseEstimate, ...]
+    seconds: float
+    memory: RoleMemory
+
+
+class MappingSearch:
+    """Holds the specs and the caches of one search (placements, allocations and layouts of one workload).
+
+    Args:
+        models: role -> model spec; None for a role without a model (a rule reward, no device work). Every role
+            of the workload's algorithm must be present. Value roles (critic, reward, cost, cost_critic) get a
+            scalar head.
+        workload, cluster, params, space: what to plan for and how.
+
+    Raises:
+        SpecError: a role of the algorithm is missing from ``models``, or there is no actor model.
+    """
+
+    def __init__(self, models: dict[str, ModelSpec | None], workload: Workload, cluster: ClusterSpec,
+                 params: CostParams | None = None, space: SearchSpace | None = None) -> None:
+        missing = [r for r in workload.roles if r not in models]
+        if missing:
+            raise SpecError(f"algorithm {workload.algorithm} needs models for roles {list(workload.roles)}; "
+                            f"missing {missing} (use None for a rule-based reward)")
+        if models.get("actor") is None:
+            raise SpecError("the actor needs a model")
+        self.models = {r: (m.as_value_model() if r in VALUE_ROLES else m)
+                       for r, m in models.items() if m is not None and r in workload.roles}
+        self.roles = tuple(r for r in workload.roles if r in self.models)
+        self.workload, self.cluster = workload, cluster
+        self.params, self.space = params or CostParams(), space or SearchSpace()
+        self.usable = cluster.device.mem_bytes * self.params.mem_usable
+        self.works = works(workload, set(self.models))
+        self.sizes = set_sizes(cluster, self.space.unit)
+        self._candidates: dict[tuple[str, int], list[_Candidate]] = {}
+        self._sets: dict[tuple[tuple[str, ...], int], SetEstimate | None] = {}
+
+    # ------------------------------------------------------------------ layouts (auto_parallel)
+
+    def layouts(self, role: str, n: int) -> list[Layout]:
+        """Valid (pp, tp, dp) of ``role`` on ``n`` devices (see the module docstring)."""
+        model, dpn = self.models[role], self.cluster.devices_per_node
+        tp_cap = min(self.space.max_tp or dpn, math.gcd(n, dpn))
+        pp_cap = self.space.max_pp or model.layers
+        out = []
+        for tp in divisors(n):
+            if tp > tp_cap or math.gcd(n, dpn) % tp or model.heads % tp:
+                continue
+            for pp in divisors(n // tp):
+                if pp <= pp_cap and model.layers % pp == 0:
+                    out.append(Layout(pp, tp, n // (tp * pp)))
+        return out
+
+    def _role_works(self, role: str) -> list[Work]:
+        return [w for w in self.works if w.role == role]
+
+    def role_candidates(self, role: str, n: int) -> list[_Candidate]:
+        """Layouts of ``role`` on ``n`` devices that fit alone, Pareto-pruned, fastest first (cached)."""
+        key = (role, n)
+        if key in self._candidates:
+            return self._candidates[key]
+        model, dev, wl, p = self.models[role], self.cluster.device, self.workload, self.params
+        role_works = [w for w in self._role_works(role) if w.kind != "generate"]
+        trained = any(w.kind == "train" for w in role_works)
+        out = []
+        for layout in self.layouts(role, n):
+            states = model_state_bytes(model, layout, trained, dev.dtype_bytes, p)
+            phases, transient = [], 0.0
+            for w in role_works:
+                if w.kind == "train":
+                    t = train_time(model, layout, w.sequences, wl.seq_len, self.cluster, p, epochs=wl.ppo_epochs,
+                                   updates=wl.ppo_updates, micro_batch=wl.micro_batch)
+                    micro_per_step = max(1, ceil_div(ceil_div(w.sequences, layout.dp),
+                                                     wl.ppo_updates * wl.micro_batch))
+                    act = activation_bytes_train(model, layout, wl.micro_batch, wl.seq_len, dev.dtype_bytes, p,
+                                                 micro_per_step)
+                else:
+                    t = infer_time(model, layout, w.sequences, wl.seq_len, self.cluster, p,
+                                   micro_batch=wl.micro_batch)
+                    act = activation_bytes_infer(model, layout, wl.micro_batch, wl.seq_len, dev.dtype_bytes)
+                phases.append(PhaseEstimate(role, w.kind, w.stage, layout, t, w.sequences))
+                transient = max(transient, act)
+            memory = RoleMemory(role, layout, states["weights"], states["grads"], states["optimizer"], transient)
+            if memory.persistent + transient <= self.usable:
+                out.append(_Candidate(layout, tuple(phases), sum(ph.seconds for ph in phases), memory))
+        out = _pareto(out)
+        self._candidates[key] = out
+        return out
+
+    def _generation(self, train: Layout, n: int, free: float) -> tuple[float, tuple[PhaseEstimate, ...], float] | None:
+        """Best generation layout of the actor trained on ``train``, with ``free`` bytes per device left by the
+        set's persistent states: (seconds, phases incl. reshard, bytes used), or None if nothing fits."""
+        gen_works = [w for w in self._role_works("actor") if w.kind == "generate"]
+        if not gen_works:
+            return 0.0, (), 0.0
+        model, wl, dev = self.models["actor"], self.workload, self.cluster.device
+        shards = train.tp * train.pp
+        best = None
+        for g in self.layouts("actor", n):
+            gs = g.tp * g.pp
+            if shards % gs and gs % shards:
+                continue
+            extra = gen_extra_weight_bytes(model, train, g, dev.dtype_bytes)
+            phases, used = [], extra
+            for w in gen_works:
+                est = generate_time(model, g, w.sequences, wl.prompt_len, wl.response_len, free - extra,
+                                    self.cluster, self.params)
+                if est is None:
+                    break
+                phases.append(PhaseEstimate("actor", "generate", w.stage, g, est.seconds, w.sequences, est.waves,
+                                            est.batch, w.greedy))
+                used = max(used, extra + est.kv_bytes)
+            else:
+                reshard = reshard_time(model, train, g, self.cluster)
+                if reshard > 0:
+                    phases.insert(0, PhaseEstimate("actor", "reshard", "generate", g, reshard))
+                total = sum(ph.seconds for ph in phases)
+                if best is None or total < best[0]:
+                    best = (total, tuple(phases), used)
+        return best
+
+    # ------------------------------------------------------------------ sets (memory-coupled layouts)
+
+    def set_estimate(self, roles: tuple[str, ...], n: int) -> SetEstimate | None:
+        """Best layouts of the colocated ``roles`` on ``n`` devices (cached); None if they cannot fit."""
+        key = (roles, n)
+        if key in self._sets:
+            return self._sets[key]
+        lists = [self.role_candidates(r, n) for r in roles]
+        result = None
+        if all(lists):
+            result = self._best_combination(roles, n, lists)
+        self._sets[key] = result
+        return result
+
+    def _best_combination(self, roles: tuple[str, ...], n: int, lists: list[list[_Candidate]]) -> SetEstimate | None:
+        has_gen = "actor" in roles and any(w.kind == "generate" for w in self._role_works("actor"))
+        actor_idx = roles.index("actor") if has_gen else -1
+        gen_lb = 0.0
+        if has_gen:  # the fastest generation with the whole usable memory bounds any real one from below
+            bounds = [self._generation(c.layout, n, self.usable) for c in lists[actor_idx]]
+            bounds = [b[0] for b in bounds if b is not None]
+            if not bounds:
+                return None
+            gen_lb = min(bounds)
+        rest_lb = [sum(lst[0].seconds for lst in lists[i:]) for i in range(len(lists))] + [0.0]
+        best: list = [math.inf, None]
+
+        def dfs(i: int, chosen: list[_Candidate], persistent: float, transient: float, seconds: float) -> None:
+            if i == len(lists):
+                gen = (0.0, (), 0.0)
+                if has_gen:
+                    gen = self._generation(chosen[actor_idx].layout, n, self.usable - persistent)
+                    if gen is None:
+                        return
+                total = seconds + gen[0]
+                if total < best[0]:
+                    best[0], best[1] = total, (tuple(chosen), gen)
+                return
+            for c in lists[i]:  # fastest first: once the bound fails, it fails for the rest
+                if seconds + c.seconds + rest_lb[i + 1] + gen_lb >= best[0]:
+                    break
+                p = persistent + c.memory.persistent
+                if p + max(transient, c.memory.transient) > self.usable:
+                    continue
+                chosen.append(c)
+                dfs(i + 1, chosen, p, max(transient, c.memory.transient), seconds + c.seconds)
+                chosen.pop()
+
+        dfs(0, [], 0.0, 0.0, 0.0)
+        if best[1] is None:
+            return None
+        chosen, (_, gen_phases, gen_bytes) = best[1]
+        phases = tuple(gen_phases) + tuple(ph for c in chosen for ph in c.phases)
+        return SetEstimate(roles, n, phases, tuple(c.memory for c in chosen), gen_bytes, self.usable)
+
+    def min_alloc(self, roles: tuple[str, ...]) -> int | None:
+        """``get_min_alloc``: the smallest allowed size on which ``roles`` fit together, or None."""
+        return next((n for n in self.sizes if self.set_estimate(roles, n) is not None), None)
+
+    # ------------------------------------------------------------------ allocations and d_cost
+
+    def allocations(self, placement: Placement) -> Iterator[tuple[int, ...]]:
+        """``enum_alloc``: sizes per set that sum to the cluster, fit each set, and pack onto the nodes."""
+        mins = [self.min_alloc(s) for s in placement]
+        if any(m is None for m in mins):
+            return
+        total = self.cluster.n_devices
+        tail_min = [sum(mins[i:]) for i in range(len(mins))] + [0]
+
+        def rec(i: int, left: int, chosen: list[int]) -> Iterator[tuple[int, ...]]:
+            if i == len(placement):
+                if left == 0 and pack_sets(chosen, self.cluster) is not None:
+                    yield tuple(chosen)
+                return
+            options = [left] if i == len(placement) - 1 else self.sizes
+            for n in options:
+                if n < mins[i] or n > left - tail_min[i + 1]:
+                    continue
+                if n not in self.sizes or self.set_estimate(placement[i], n) is None:
+                    continue
+                chosen.append(n)
+                yield from rec(i + 1, left - n, chosen)
+                chosen.pop()
+
+        yield from rec(0, total, [])
+
+    def plan(self, placement: Sequence[Sequence[str]], allocation: Sequence[int]) -> Plan | None:
+        """The plan of a given placement and allocation with each set's best layouts (None if a set does not
+        fit). ``placement`` may list its sets and roles in any order."""
+        if len(placement) != len(allocation):
+            raise SpecError(f"placement has {len(placement)} sets but allocation {list(allocation)} has "
+                            f"{len(allocation)} sizes")
+        roles = sorted(r for s in placement for r in s)
+        if roles != sorted(self.roles):
+            raise SpecError(f"placement {[list(s) for s in placement]} must hold each of {list(self.roles)} once")
+        order = {r: i for i, r in enumerate(self.roles)}
+        sets = []
+        for s, n in zip(placement, allocation):
+            est = self.set_estimate(tuple(sorted(s, key=order.__getitem__)), n)
+            if est is None:
+                return None
+            sets.append(est)
+        return Plan(tuple(sets))
+
+    def best_for_placement(self, placement: Sequence[Sequence[str]]) -> Plan | None:
+        """The best allocation and layouts of one placement (None if it fits in no allocation)."""
+        placement = canonical(placement, self.roles)
+        best = None
+        for alloc in self.allocations(placement):
+            plan = self.plan(placement, alloc)
+            if plan is not None and (best is None or plan.seconds < best.seconds):
+                best = plan
+        return best
+
+    def run(self, top_k: int = 5) -> SearchResult:
+        """Algorithm 1 over every placement; the best plan, the ``top_k`` best, and the baselines."""
+        start = time.perf_counter()
+        heap: list[tuple[float, int, Placement, tuple[int, ...]]] = []  # max-heap of the top_k (negated)
+        by_placement: dict[Placement, tuple[float, tuple[int, ...]]] = {}
+        n_placements = n_allocs = 0
+        infeasible = []
+        for placement in set_partitions(self.roles):
+            n_placements += 1
+            for alloc in self.allocations(placement):
+                n_allocs += 1
+                sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
+                total = sum(max(s.stage_seconds(stage) for s in sets) for stage in STAGES)
+                if placement not in by_placement or total < by_placement[placement][0]:
+                    by_placement[placement] = (total, alloc)
+                item = (-total, -n_allocs, placement, alloc)
+                if len(heap) < top_k:
+                    heapq.heappush(heap, item)
+                elif item > heap[0]:
+                    heapq.heapreplace(heap, item)
+            if placement not in by_placement:
+                infeasible.append(placement)
+        top = [self.plan(p, a) for _, _, p, a in sorted(heap, reverse=True)]
+        plans = {p: self.plan(p, a) for p, (_, a) in by_placement.items()}
+        baselines = {name: (plans.get(p) if p is not None else None)
+                     for name, p in baseline_placements(self.roles).items()}
+        elapsed = time.perf_counter() - start
+        logger.info("searched %d placements, %d allocations, %d set evaluations in %.2f s", n_placements, n_allocs,
+                    len(self._sets), elapsed)
+        return SearchResult(top[0] if top else None, top, plans, baselines, elapsed, n_placements, n_allocs,
+                            len(self._sets), infeasible)
+
+
+def _pareto(cands: list[_Candidate]) -> list[_Candidate]:
+    """Drop candidates another one beats or ties on time, persistent and transient bytes; fastest first."""
+    cands = sorted(cands, key=lambda c: (c.seconds, c.memory.persistent, c.memory.transient))
+    kept: list[_Candidate] = []
+    for c in cands:
+        if not any(k.memory.persistent <= c.memory.persistent and k.memory.transient <= c.memory.transient
+                   for k in kept):
+            kept.append(c)
+    return kept
+
+
+def search(models: dict[str, ModelSpec | None], workload: Workload, cluster: ClusterSpec,
+           params: CostParams | None = None, space: SearchSpace | None = None, top_k: int = 5) -> SearchResult:
+    """Run Algorithm 1 (see ``MappingSearch``): the best plan, the ``top_k`` best and the baselines."""
+    return MappingSearch(models, workload, cluster, params, space).run(top_k)

@@ -1,0 +1,294 @@
+"""What the auto-mapper plans for: devices and clusters, model shapes, and the RL workload.
+
+Units used throughout ``hybridflow.mapping``: seconds, bytes, FLOP and FLOP/s, bytes/s; "device" is one GPU (or
+one CPU rank: a process with one core). Every spec is a frozen dataclass, so specs can key caches.
+
+Presets: devices ``A100-80G``, ``H100``, ``H200``, ``cpu`` (``DEVICE_PRESETS``); models ``7B``, ``13B``,
+``34B``, ``70B`` (Llama-2 shapes; 34B is the Code Llama 34B shape with vocab 32000) and ``tiny-arith`` (the
+model shipped with hybridflow) (``MODEL_PRESETS``). ``get_model`` also reads a local Hugging Face
+``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "ALGORITHMS", "ClusterSpec", "DEVICE_PRESETS", "DeviceSpec", "MODEL_PRESETS", "ModelSpec", "SpecError",
+    "Workload", "get_device", "get_model", "parse_cluster",
+]
+
+GB = 1e9
+
+
+class SpecError(ValueError):
+    """A device, cluster, model or workload description is malformed or unknown (the message says which)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank) and its links.
+
+    Attributes:
+        name: preset name.
+        peak_flops: dense matmul peak in the compute dtype, FLOP/s.
+        mem_bw: device memory bandwidth, bytes/s (what a memory-bound decode step reads at).
+        mem_bytes: device memory, bytes.
+        intra_bw: per-device bus bandwidth of collectives inside a node (NVLink; gloo for CPU), bytes/s.
+        inter_bw: network bandwidth of one node to the others (all its NICs together), bytes/s.
+        intra_latency_s: fixed cost of one collective inside a node, s.
+        inter_latency_s: fixed cost of one collective across nodes, s.
+        dtype_bytes: bytes per element of weights, activations and KV cache (2: bf16 on GPU, 4: fp32 on CPU).
+    """
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+    mem_bytes: float
+    intra_bw: float
+    inter_bw: float
+    intra_latency_s: float
+    inter_latency_s: float
+    dtype_bytes: int = 2
+
+
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    # Datasheet numbers: dense bf16 peak; NVLink total (both directions) halved for one direction. A100 nodes
+    # talk over 200 Gb/s each (the HybridFlow paper's cluster); H100/H200 nodes over 8 x 400 Gb/s (DGX).
+    "A100-80G": DeviceSpec("A100-80G", 312e12, 2.0e12, 80 * GB, 600e9 / 2, 200e9 / 8, 10e-6, 30e-6),
+    "H100": DeviceSpec("H100", 989e12, 3.35e12, 80 * GB, 900e9 / 2, 8 * 400e9 / 8, 10e-6, 30e-6),
+    "H200": DeviceSpec("H200", 989e12, 4.8e12, 141 * GB, 900e9 / 2, 8 * 400e9 / 8, 10e-6, 30e-6),
+    # One rank of the 2-core, 24 GB development machine, measured with torch 2.13: a 1024^3 fp32 matmul runs at
+    # ~115 GFLOP/s with 2 threads (so half per rank when both cores are busy); a 256 MB tensor copy moves
+    # ~21 GB/s read+write (half per rank); memory is split between the 2 ranks; gloo all-reduce of 64 MB
+    # between 2 local processes: ~0.9 GB/s bus bandwidth, a 1 KB all-reduce ~1.4 ms (a loaded machine).
+    # A cluster with more CPU ranks than cores oversubscribes them: divide these by the oversubscription.
+    "cpu": DeviceSpec("cpu", 115e9 / 2, 21e9 / 2, 24 * GB / 2, 0.9e9, 0.9e9, 1.4e-3, 1.4e-3, dtype_bytes=4),
+}
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The preset device ``name`` (case-insensitive).
+
+    Raises:
+        SpecError: unknown name; the message lists the presets.
+    """
+    for key, spec in DEVICE_PRESETS.items():
+        if key.lower() == name.lower():
+            return spec
+    raise SpecError(f"unknown device {name!r}; presets: {', '.join(DEVICE_PRESETS)}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` machines of ``devices_per_node`` identical devices each."""
+
+    nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise SpecError(f"a cluster needs >= 1 node and >= 1 device per node, got {self.nodes} x "
+                            f"{self.devices_per_node}")
+
+    @property
+    def n_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def __str__(self) -> str:
+        return f"{self.nodes}x{self.devices_per_node}:{self.device.name}"
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """Parse ``NODESxDEVICES:PRESET``, e.g. ``16x8:A100-80G`` or ``1x4:cpu``.
+
+    Raises:
+        SpecError: not of that form, or an unknown device preset.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*:\s*(\S+)\s*", text)
+    if not match:
+        raise SpecError(f"cluster {text!r}: expected NODESxDEVICES:DEVICE, e.g. 16x8:A100-80G or 1x4:cpu")
+    return ClusterSpec(int(match[1]), int(match[2]), get_device(match[3]))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (Llama family: gated MLP, grouped-query attention).
+
+    ``value_head``: the LM head (vocab x hidden) is replaced by a scalar head (critic, reward and cost models).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool = False
+    value_head: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate, self.vocab) < 1:
+            raise SpecError(f"model {self.name}: every size must be >= 1, got {self}")
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise SpecError(f"model {self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
+                            f"and heads by kv_heads ({self.kv_heads})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorms."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def n_params(self) -> int:
+        """All parameters: embedding, layers, final norm, and the LM head (or a scalar value head)."""
+        head = self.hidden if self.value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
+        return self.vocab * self.hidden + self.layers * self.layer_params + self.hidden + head
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV-cache bytes of one token over all layers: 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def as_value_model(self) -> "ModelSpec":
+        """The same backbone with a scalar value head (a critic, reward or cost model)."""
+        return dataclasses.replace(self, value_head=True)
+
+    @classmethod
+    def from_hf_config(cls, config: dict, name: str = "hf") -> "ModelSpec":
+        """Build from a Hugging Face ``config.json`` mapping (Llama / Qwen / Mistral key names).
+
+        Raises:
+            SpecError: a required key is missing (the message names it).
+        """
+        def need(key: str) -> int:
+            if key not in config:
+                raise SpecError(f"model config {name}: missing {key!r} (expected a Llama-style HF config.json)")
+            return int(config[key])
+
+        heads = need("num_attention_heads")
+        return cls(name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
+                   kv_heads=int(config.get("num_key_value_heads") or heads), intermediate=need("intermediate_size"),
+                   vocab=need("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    "7B": ModelSpec("7B", 32, 4096, 32, 32, 11008, 32000),
+    "13B": ModelSpec("13B", 40, 5120, 40, 40, 13824, 32000),
+    "34B": ModelSpec("34B", 48, 8192, 64, 8, 22016, 32000),
+    "70B": ModelSpec("70B", 80, 8192, 64, 8, 28672, 32000),
+    # hybridflow/models/builtin (vocab: its 512-token tokenizer padded to a multiple of 64)
+    "tiny-arith": ModelSpec("tiny-arith", 4, 128, 4, 2, 384, 512, tied_embeddings=True),
+}
+
+
+def get_model(name_or_path: str) -> ModelSpec:
+    """A preset (``7B``, ``13B``, ``34B``, ``70B``, ``tiny-arith``; case-insensitive), or the ``config.json`` of a
+    local Hugging Face model directory (a path to the directory or to the file; ``builtin:NAME`` is resolved).
+
+    Raises:
+        SpecError: neither a preset nor a readable config; the message lists the presets.
+    """
+    for key, spec in MODEL_PRESETS.items():
+        if key.lower() == name_or_path.lower():
+            return spec
+    path = Path(name_or_path)
+    if name_or_path.startswith("builtin:"):
+        from hybridflow.models.builtin import resolve_model_path
+
+        try:
+            path = Path(resolve_model_path(name_or_path))
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise SpecError(f"model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) and no config.json "
+                        f"at {path}")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecError(f"model {name_or_path!r}: cannot read {path}: {exc}") from None
+    return ModelSpec.from_hf_config(config.get("text_config", config), name=str(name_or_path))
+
+
+#: algorithm -> the roles whose models it runs (``Workload.algorithm``)
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "ppo": ("actor", "critic", "reference", "reward"),
+    "remax": ("actor", "reference", "reward"),
+    "safe-rlhf": ("actor", "critic", "reference", "reward", "cost", "cost_critic"),
+    "grpo": ("actor", "reference", "reward"),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL iteration.
+
+    Attributes:
+        algorithm: ``ppo`` | ``remax`` | ``safe-rlhf`` | ``grpo`` (see ``hybridflow.mapping.dataflow``).
+        batch: prompts per iteration.
+        n: responses sampled per prompt (GRPO's group size).
+        prompt_len, response_len: tokens per prompt and per response (responses run to full length).
+        ppo_epochs: passes over the iteration's sequences in the training stage.
+        ppo_updates: optimizer steps (mini-batches) per epoch.
+        micro_batch: sequences per forward/backward on one data-parallel rank (sets activation memory and the
+            number of pipeline micro-batches).
+        actor_logprob: the actor recomputes the old log-probs in the preparation stage (verl and hybridflow do).
+    """
+
+    algorithm: str = "ppo"
+    batch: int = 1024
+    n: int = 1
+    prompt_len: int = 1024
+    response_len: int = 1024
+    ppo_epochs: int = 1
+    ppo_updates: int = 1
+    micro_batch: int = 1
+    actor_logprob: bool = True
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise SpecError(f"unknown algorithm {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
+        counts = {k: getattr(self, k) for k in ("batch", "n", "prompt_len", "response_len", "ppo_epochs",
+                                                "ppo_updates", "micro_batch")}
+        bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
+        if bad:
+            raise SpecError(f"workload: every count must be >= 1, got {', '.join(bad)}")
+        if self.sequences % self.ppo_updates:
+            raise SpecError(f"workload: {self.sequences} sequences (batch {self.batch} x n {self.n}) do not split "
+                            f"into {self.ppo_updates} equal mini-batches (ppo_updates)")
+
+    @property
+    def sequences(self) -> int:
+        """Sampled sequences per iteration: batch x n."""
+        return self.batch * self.n
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ALGORITHMS[self.algorithm]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

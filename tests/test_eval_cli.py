@@ -1,0 +1,134 @@
+"""``hybridflow eval``: score a saved model on parquet prompts in-process, checked against a slow reference.
+
+The model is a tiny random GPT-2 with a word-level tokenizer that has no chat template (so prompts are plain
+text with BOS prepended) and no pad token (GPT-2 style: bos = eos = ``<|endoftext|>``). The rows use two
+test-only data sources scored by exact match, and half of the ground truths are set to the model's own greedy
+response computed one prompt at a time with ``transformers``' ``generate`` (no batching, no left padding), so
+the expected ``mean@1`` is known in advance.
+"""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+from hybridflow.cli import main as cli_main
+from hybridflow.evaluation import evaluate
+from hybridflow.rewards import REWARD_REGISTRY, register_reward
+
+WORDS = ["<|endoftext|>", "<unk>"] + "what is one two three four five plus minus the cat dog sat on a mat".split()
+SOURCES = ("test/exact-a", "test/exact-b")
+NO_MATCH = "\u0000never generated"
+RESPONSE_LENGTH = 6
+PROMPTS = [  # (data source, question, ground truth is the reference greedy response?)
+    ("test/exact-a", "what is one plus two", True),
+    ("test/exact-a", "the cat sat on a mat", True),
+    ("test/exact-a", "what is five minus three plus one plus one", True),
+    ("test/exact-a", "dog", False),
+    ("test/exact-b", "the dog sat on the cat", True),
+    ("test/exact-b", "four plus four", False),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exact_match_rewards():
+    register_reward(*SOURCES)(lambda response, truth, extra=None: float(response.strip() == truth))
+    yield
+    for source in SOURCES:
+        REWARD_REGISTRY.pop(source)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpt2")
+    backend = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>",
+                                        eos_token="<|endoftext|>", unk_token="<unk>")
+    tokenizer.save_pretrained(path)
+    config = GPT2Config(vocab_size=len(WORDS), n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0, initializer_range=0.5)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def reference_greedy(model_dir, question):
+    """One prompt, ``transformers.generate``: plain prompt text with BOS in front (no chat template)."""
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    ids = torch.tensor([[tokenizer.bos_token_id] + tokenizer(question, add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=RESPONSE_LENGTH, do_sample=False,
+                         eos_token_id=0, pad_token_id=0)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+@pytest.fixture(scope="module")
+def data_file(model_dir, tmp_path_factory):
+    rows = []
+    for i, (source, question, matches) in enumerate(PROMPTS):
+        truth = reference_greedy(model_dir, question) if matches else NO_MATCH
+        rows.append({"data_source": source, "prompt": [{"role": "user", "content": question}], "ability": "test",
+                     "reward_model": {"style": "rule", "ground_truth": truth},
+                     "extra_info": {"split": "test", "index": i}})
+    path = tmp_path_factory.mktemp("data") / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_greedy_mean_at_1_matches_reference(model_dir, data_file, tmp_path):
+    out = tmp_path / "responses.jsonl"
+    result = evaluate(str(model_dir), str(data_file), batch_size=4, max_response_length=RESPONSE_LENGTH,
+                      output=out)
+    assert result["num_prompts"] == 6 and result["num_filtered"] == 0
+    assert result["mean@1"] == pytest.approx(4 / 6)
+    assert result["by_data_source"] == {"test/exact-a": {"num_prompts": 4, "mean@1": 0.75},
+                                        "test/exact-b": {"num_prompts": 2, "mean@1": 0.5}}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["pass"], r["sample"]) for r in lines] == [(i, "greedy", 0) for i in range(6)]
+    assert [r["score"] for r in lines] == [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    assert lines[0]["prompt"] == "what is one plus two"  # no chat template: the plain content
+
+
+def test_cli_mean_at_k_with_sampling(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "responses.jsonl"
+    argv = ["eval", str(model_dir), str(data_file), "--n", "3", "--temperature", "1.0", "--batch-size", "4",
+            "--max-response-length", str(RESPONSE_LENGTH), "--seed", "7", "--output", str(out)]
+    assert cli_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mean@1"] == pytest.approx(4 / 6)  # the greedy pass is still there
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    sampled = [r for r in lines if r["pass"] == "sampled"]
+    assert len(sampled) == 6 * 3 and sorted({r["sample"] for r in sampled}) == [0, 1, 2]
+    assert result["mean@3"] == pytest.approx(sum(r["score"] for r in sampled) / 18)
+    for source, count in (("test/exact-a", 4), ("test/exact-b", 2)):
+        rows = [r["score"] for r in sampled if r["data_source"] == source]
+        assert len(rows) == 3 * count
+        assert result["by_data_source"][source]["mean@3"] == pytest.approx(sum(rows) / len(rows))
+    # same seed -> same samples
+    assert cli_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["mean@3"] == result["mean@3"]
+
+
+def test_filtering_long_prompts_is_counted(model_dir, data_file):
+    # "what is five minus three plus one plus one" is 9 words + BOS = 10 tokens; every other prompt is <= 7
+    result = evaluate(str(model_dir), str(data_file), max_prompt_length=8, truncation="filter",
+                      max_response_length=RESPONSE_LENGTH)
+    assert (result["num_prompts"], result["num_filtered"]) == (5, 1)
+    assert result["mean@1"] == pytest.approx(3 / 5)
+
+
+def test_cli_errors(model_dir, data_file, tmp_path, capsys):
+    assert cli_main(["eval", str(model_dir), str(data_file), "--n", "2"]) == 1
+    assert "needs temperature > 0" in capsys.readouterr().err
+    rows = [{"data_source": "nobody/registered", "prompt": "what is one", "reward_model": {"ground_truth": "1"}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    assert cli_main(["eval", str(model_dir), str(tmp_path / "bad.parquet"), "--max-response-length", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "'nobody/registered'" in err and "openai/gsm8k" in err
+    assert cli_main(["eval", str(tmp_path / "no-model"), str(data_file)]) == 1
+    assert "not a local directory" in capsys.readouterr().err
