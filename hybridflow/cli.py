@@ -17,6 +17,7 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 
 from hybridflow.config import ConfigError, available_recipes, load_config
+from hybridflow.mapping import plan_cli
 
 EXIT_CONFIG_ERROR = 2  # same status as argparse's usage errors
 
@@ -115,6 +116,7 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
+    "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
     "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
                     _run_data),

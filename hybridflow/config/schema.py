@@ -195,6 +195,17 @@ class ResourcePoolConfig:
 
 
 @dataclass
+class ParallelLayoutConfig:
+    # Parallel sizes chosen by `hybridflow plan`, per role: phase -> [pp, tp, dp] (actor: train, generate;
+    # critic: train; reference, reward: infer). Informational until the workers read parallel layouts: they run
+    # FSDP over all ranks of their pool. Empty means that default.
+    actor: dict[str, list[int]] = field(default_factory=dict)
+    critic: dict[str, list[int]] = field(default_factory=dict)
+    reference: dict[str, list[int]] = field(default_factory=dict)
+    reward: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -203,3 +214,4 @@ class HybridFlowConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
+    layouts: ParallelLayoutConfig = field(default_factory=ParallelLayoutConfig)  # written by `hybridflow plan`

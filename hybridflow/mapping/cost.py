@@ -21,12 +21,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, ceil_div
+from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload, ceil_div
 
 __all__ = [
     "CostParams", "GenerateEstimate", "Layout", "activation_bytes_infer", "activation_bytes_train",
-    "allreduce_time", "compute_time", "forward_flops", "gen_extra_weight_bytes", "generate_time", "infer_time",
-    "kv_cache_bytes", "model_state_bytes", "p2p_time", "reshard_time", "train_flops", "train_time",
+    "allreduce_time", "compute_time", "forward_flops", "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence",
+    "generate_time", "infer_time", "kv_cache_bytes", "model_state_bytes", "p2p_time", "reshard_time", "train_flops",
+    "train_time",
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER_BF16 = 34  # x hidden: Korthikanti et al. 2022, Table 2 (flash attention: no s^2 term)
@@ -220,6 +221,12 @@ def _kv_bytes_per_token_device(model: ModelSpec, layout: Layout, dtype_bytes: in
     """One token's KV cache on one device: its stage's layers, its share of kv heads (replicated if tp > kv)."""
     kv_heads = math.ceil(model.kv_heads / layout.tp)
     return 2 * math.ceil(model.layers / layout.pp) * kv_heads * model.head_dim * dtype_bytes
+
+
+def generate_kv_bytes_per_sequence(model: ModelSpec, layout: Layout, workload: Workload, cluster: ClusterSpec) -> float:
+    """KV-cache bytes per device of one full sequence (prompt + response) of ``workload`` on ``layout``."""
+    kv_tok = _kv_bytes_per_token_device(model, layout, cluster.device.dtype_bytes)
+    return kv_tok * (workload.prompt_len + workload.response_len)
 
 
 @dataclass(frozen=True)

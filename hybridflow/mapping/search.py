@@ -26,6 +26,7 @@ Choosing each set's layouts by its own summed time (not by the stage maxima acro
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -35,10 +36,12 @@ from dataclasses import dataclass, field
 
 from hybridflow.mapping.cost import (
     CostParams,
+    GenerateEstimate,
     Layout,
     activation_bytes_infer,
     activation_bytes_train,
     gen_extra_weight_bytes,
+    generate_kv_bytes_per_sequence,
     generate_time,
     infer_time,
     model_state_bytes,
@@ -129,8 +132,13 @@ class SetEstimate:
         """Persistent states of every model + the largest transient of any phase, per device."""
         return self.persistent + max([m.transient for m in self.memory] + [self.gen_bytes])
 
+    @functools.cached_property
+    def stage_vector(self) -> tuple[float, ...]:
+        """Seconds of this set in each of ``STAGES`` (its models take turns, so their times add)."""
+        return tuple(sum(p.seconds for p in self.phases if p.stage == stage) for stage in STAGES)
+
     def stage_seconds(self, stage: str) -> float:
-        return sum(p.seconds for p in self.phases if p.stage == stage)
+        return self.stage_vector[STAGES.index(stage)]
 
     @property
     def seconds(self) -> float:
@@ -332,13 +340,20 @@ class MappingSearch:
         self.usable = cluster.device.mem_bytes * self.params.mem_usable
         self.works = works(workload, set(self.models))
         self.sizes = set_sizes(cluster, self.space.unit)
+        self._gen_works = [w for w in self.works if w.role == "actor" and w.kind == "generate"]
         self._candidates: dict[tuple[str, int], list[_Candidate]] = {}
         self._sets: dict[tuple[tuple[str, ...], int], SetEstimate | None] = {}
+        self._layouts: dict[tuple[str, int], list[Layout]] = {}
+        self._gen_opts: dict[tuple[Layout, int], list[tuple[float, Layout, float, float]]] = {}
+        self._gen_cache: dict[tuple[Layout, Work, int], GenerateEstimate] = {}
+        self._kv_seq: dict[Layout, float] = {}
 
     # ------------------------------------------------------------------ layouts (auto_parallel)
 
     def layouts(self, role: str, n: int) -> list[Layout]:
-        """Valid (pp, tp, dp) of ``role`` on ``n`` devices (see the module docstring)."""
+        """Valid (pp, tp, dp) of ``role`` on ``n`` devices (see the module docstring; cached)."""
+        if (role, n) in self._layouts:
+            return self._layouts[(role, n)]
         model, dpn = self.models[role], self.cluster.devices_per_node
         tp_cap = min(self.space.max_tp or dpn, math.gcd(n, dpn))
         pp_cap = self.space.max_pp or model.layers
@@ -349,6 +364,7 @@ class MappingSearch:
             for pp in divisors(n // tp):
                 if pp <= pp_cap and model.layers % pp == 0:
                     out.append(Layout(pp, tp, n // (tp * pp)))
+        self._layouts[(role, n)] = out
         return out
 
     def _role_works(self, role: str) -> list[Work]:
@@ -387,36 +403,69 @@ class MappingSearch:
         self._candidates[key] = out
         return out
 
-    def _generation(self, train: Layout, n: int, free: float) -> tuple[float, tuple[PhaseEstimate, ...], float] | None:
-        """Best generation layout of the actor trained on ``train``, with ``free`` bytes per device left by the
-        set's persistent states: (seconds, phases incl. reshard, bytes used), or None if nothing fits."""
-        gen_works = [w for w in self._role_works("actor") if w.kind == "generate"]
-        if not gen_works:
-            return 0.0, (), 0.0
-        model, wl, dev = self.models["actor"], self.workload, self.cluster.device
-        shards = train.tp * train.pp
-        best = None
-        for g in self.layouts("actor", n):
-            gs = g.tp * g.pp
-            if shards % gs and gs % shards:
-                continue
-            extra = gen_extra_weight_bytes(model, train, g, dev.dtype_bytes)
-            phases, used = [], extra
-            for w in gen_works:
-                est = generate_time(model, g, w.sequences, wl.prompt_len, wl.response_len, free - extra,
-                                    self.cluster, self.params)
-                if est is None:
-                    break
-                phases.append(PhaseEstimate("actor", "generate", w.stage, g, est.seconds, w.sequences, est.waves,
-                                            est.batch, w.greedy))
-                used = max(used, extra + est.kv_bytes)
-            else:
+    def _gen_options(self, train: Layout, n: int) -> list[tuple[float, Layout, float, float]]:
+        """Generation layouts the actor trained on ``train`` can reshard to (cached): (lower bound seconds with
+        the whole usable memory, layout, extra weight bytes, reshard seconds), fastest bound first."""
+        key = (train, n)
+        if key not in self._gen_opts:
+            model, dev = self.models["actor"], self.cluster.device
+            shards, out = train.tp * train.pp, []
+            for g in self.layouts("actor", n):
+                gs = g.tp * g.pp
+                if shards % gs and gs % shards:
+                    continue
+                extra = gen_extra_weight_bytes(model, train, g, dev.dtype_bytes)
                 reshard = reshard_time(model, train, g, self.cluster)
-                if reshard > 0:
-                    phases.insert(0, PhaseEstimate("actor", "reshard", "generate", g, reshard))
-                total = sum(ph.seconds for ph in phases)
-                if best is None or total < best[0]:
-                    best = (total, tuple(phases), used)
+                bound = self._gen_phases(g, self.usable - extra)
+                if bound is not None:
+                    out.append((sum(ph.seconds for ph in bound[0]) + reshard, g, extra, reshard))
+            self._gen_opts[key] = sorted(out, key=lambda o: o[0])
+        return self._gen_opts[key]
+
+    def _gen_phases(self, g: Layout, budget: float) -> tuple[list[PhaseEstimate], float] | None:
+        """The actor's generation works on layout ``g`` with ``budget`` KV-cache bytes per device: their phases
+        and the KV bytes they fill, or None if a sequence does not fit. Cached per (layout, work, waves): the
+        time depends on the budget only through the number of waves."""
+        wl, out, kv_used = self.workload, [], 0.0
+        kv_seq = self._kv_seq.get(g)
+        if kv_seq is None:
+            kv_seq = self._kv_seq[g] = generate_kv_bytes_per_sequence(self.models["actor"], g, wl, self.cluster)
+        capacity = int(budget // kv_seq) if budget > 0 else 0
+        if capacity < 1:
+            return None
+        for w in self._gen_works:
+            waves = ceil_div(ceil_div(w.sequences, g.dp), capacity)
+            key = (g, w, waves)
+            est = self._gen_cache.get(key)
+            if est is None:
+                est = generate_time(self.models["actor"], g, w.sequences, wl.prompt_len, wl.response_len,
+                                    kv_seq * ceil_div(ceil_div(w.sequences, g.dp), waves), self.cluster, self.params)
+                self._gen_cache[key] = est
+            out.append(PhaseEstimate("actor", "generate", w.stage, g, est.seconds, w.sequences, est.waves, est.batch,
+                                     w.greedy))
+            kv_used = max(kv_used, est.kv_bytes)
+        return out, kv_used
+
+    def _generation(self, train: Layout, n: int, free: float,
+                    bound: float = math.inf) -> tuple[float, tuple[PhaseEstimate, ...], float] | None:
+        """Best generation of the actor trained on ``train`` with ``free`` bytes per device left by the set's
+        persistent states: (seconds incl. the reshard, phases, bytes used per device), or None if nothing fits
+        or nothing beats ``bound``."""
+        if not self._gen_works:
+            return 0.0, (), 0.0
+        best = None
+        for lower, g, extra, reshard in self._gen_options(train, n):
+            if lower >= min(bound, best[0] if best else math.inf):
+                break
+            found = self._gen_phases(g, free - extra)
+            if found is None:
+                continue
+            phases, kv_used = found
+            if reshard > 0:
+                phases = [PhaseEstimate("actor", "reshard", "generate", g, reshard)] + phases
+            total = sum(ph.seconds for ph in phases)
+            if best is None or total < best[0]:
+                best = (total, tuple(phases), extra + kv_used)
         return best
 
     # ------------------------------------------------------------------ sets (memory-coupled layouts)
@@ -434,45 +483,54 @@ class MappingSearch:
         return result
 
     def _best_combination(self, roles: tuple[str, ...], n: int, lists: list[list[_Candidate]]) -> SetEstimate | None:
-        has_gen = "actor" in roles and any(w.kind == "generate" for w in self._role_works("actor"))
-        actor_idx = roles.index("actor") if has_gen else -1
-        gen_lb = 0.0
-        if has_gen:  # the fastest generation with the whole usable memory bounds any real one from below
-            bounds = [self._generation(c.layout, n, self.usable) for c in lists[actor_idx]]
-            bounds = [b[0] for b in bounds if b is not None]
-            if not bounds:
-                return None
-            gen_lb = min(bounds)
-        rest_lb = [sum(lst[0].seconds for lst in lists[i:]) for i in range(len(lists))] + [0.0]
+        """Branch and bound over the roles' candidates (the actor first), minimising the set's summed time under
+        the memory limit; the actor's generation gets the memory the chosen states leave."""
+        has_gen = "actor" in roles and bool(self._gen_works)
+        order = sorted(range(len(roles)), key=lambda i: roles[i] != "actor") if has_gen else list(range(len(roles)))
+        ordered = [lists[i] for i in order]
+        rest_lb = [sum(lst[0].seconds for lst in ordered[i:]) for i in range(len(ordered))] + [0.0]
+        rest_mem = [sum(min(c.memory.persistent for c in lst) for lst in ordered[i:]) for i in range(len(ordered))]
+        rest_mem.append(0.0)
         best: list = [math.inf, None]
 
-        def dfs(i: int, chosen: list[_Candidate], persistent: float, transient: float, seconds: float) -> None:
-            if i == len(lists):
+        def dfs(i: int, chosen: list[_Candidate], persistent: float, transient: float, seconds: float,
+                gen_lb: float) -> None:
+            if i == len(ordered):
                 gen = (0.0, (), 0.0)
                 if has_gen:
-                    gen = self._generation(chosen[actor_idx].layout, n, self.usable - persistent)
+                    gen = self._generation(chosen[0].layout, n, self.usable - persistent, best[0] - seconds)
                     if gen is None:
                         return
-                total = seconds + gen[0]
-                if total < best[0]:
-                    best[0], best[1] = total, (tuple(chosen), gen)
+                if seconds + gen[0] < best[0]:
+                    best[0], best[1] = seconds + gen[0], (tuple(chosen), gen)
                 return
-            for c in lists[i]:  # fastest first: once the bound fails, it fails for the rest
-                if seconds + c.seconds + rest_lb[i + 1] + gen_lb >= best[0]:
-                    break
+            for c in ordered[i]:  # fastest first
+                lb = gen_lb
+                if has_gen and i == 0:  # the actor: its generation with all the memory left by the others
+                    found = self._generation(c.layout, n, self.usable - c.memory.persistent - rest_mem[1])
+                    if found is None:
+                        continue
+                    lb = found[0]
+                if seconds + c.seconds + rest_lb[i + 1] + lb >= best[0]:
+                    if has_gen and i == 0:
+                        continue
+                    break  # later candidates are no faster
                 p = persistent + c.memory.persistent
-                if p + max(transient, c.memory.transient) > self.usable:
+                t = max(transient, c.memory.transient)
+                if p + t + rest_mem[i + 1] > self.usable:
                     continue
                 chosen.append(c)
-                dfs(i + 1, chosen, p, max(transient, c.memory.transient), seconds + c.seconds)
+                dfs(i + 1, chosen, p, t, seconds + c.seconds, lb)
                 chosen.pop()
 
-        dfs(0, [], 0.0, 0.0, 0.0)
+        dfs(0, [], 0.0, 0.0, 0.0, 0.0)
         if best[1] is None:
             return None
         chosen, (_, gen_phases, gen_bytes) = best[1]
-        phases = tuple(gen_phases) + tuple(ph for c in chosen for ph in c.phases)
-        return SetEstimate(roles, n, phases, tuple(c.memory for c in chosen), gen_bytes, self.usable)
+        by_role = {c.memory.role: c for c in chosen}
+        picked = [by_role[r] for r in roles]
+        phases = tuple(gen_phases) + tuple(ph for c in picked for ph in c.phases)
+        return SetEstimate(roles, n, phases, tuple(c.memory for c in picked), gen_bytes, self.usable)
 
     def min_alloc(self, roles: tuple[str, ...]) -> int | None:
         """``get_min_alloc``: the smallest allowed size on which ``roles`` fit together, or None."""
@@ -545,7 +603,7 @@ class MappingSearch:
             for alloc in self.allocations(placement):
                 n_allocs += 1
                 sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
-                total = sum(max(s.stage_seconds(stage) for s in sets) for stage in STAGES)
+                total = sum(map(max, *(s.stage_vector for s in sets))) if len(sets) > 1 else sum(sets[0].stage_vector)
                 if placement not in by_placement or total < by_placement[placement][0]:
                     by_placement[placement] = (total, alloc)
                 item = (-total, -n_allocs, placement, alloc)

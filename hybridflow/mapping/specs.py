@@ -12,6 +12,7 @@ model shipped with hybridflow) (``MODEL_PRESETS``). ``get_model`` also reads a l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -145,13 +146,13 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
+    @functools.cached_property
     def layer_params(self) -> int:
         """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorms."""
         h, kv = self.hidden, self.kv_heads * self.head_dim
         return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
 
-    @property
+    @functools.cached_property
     def n_params(self) -> int:
         """All parameters: embedding, layers, final norm, and the LM head (or a scalar value head)."""
         head = self.hidden if self.value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)

@@ -44,14 +44,22 @@ def default_compute_score(
     Raises:
         ValueError: no reward is registered for ``data_source`` (the message lists the known ones).
     """
+    return float(get_reward_fn(data_source)(solution_str, ground_truth, extra_info))
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    """The scorer registered for ``data_source``.
+
+    Raises:
+        ValueError: none is registered (the message lists the known data sources).
+    """
     try:
-        fn = REWARD_REGISTRY[data_source]
+        return REWARD_REGISTRY[data_source]
     except KeyError:
         raise ValueError(
             f"no reward registered for data_source {data_source!r}; "
             f"known data sources: {sorted(REWARD_REGISTRY)}"
         ) from None
-    return float(fn(solution_str, ground_truth, extra_info))
 
 
 @register_reward("openai/gsm8k", "hybridflow/arith")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import default_compute_score
+from hybridflow.rewards import get_reward_fn
 
 __all__ = ["decode_responses", "score_batch"]
 
@@ -25,22 +25,27 @@ def decode_responses(tokenizer: Any, data: DataProto) -> list[str]:
     return [tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(len(data))]
 
 
-def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] = None) -> list[float]:
-    """Per-row scores of a rollout batch by :func:`hybridflow.rewards.default_compute_score`.
+def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] = None,
+                error_score: Optional[float] = None, return_errors: bool = False):
+    """Per-row scores of a rollout batch by the reward registered for each row's ``data_source``.
 
     Args:
         tokenizer: the policy's tokenizer (used only when ``texts`` is None).
         data: N rows with tensors ``responses`` and ``response_mask`` (N, R) and non-tensor columns
-            ``data_source`` and ``ground_truth`` (and optionally ``extra_info``), e.g. the generated batch
-            joined with its prompts repeated ``n`` times.
+            ``data_source`` and ``ground_truth`` (and optionally ``extra_info``, ``index``), e.g. the generated
+            batch joined with its prompts repeated ``n`` times.
         texts: the already decoded responses (from :func:`decode_responses`), to avoid decoding twice.
+        error_score: the score of a row whose scoring function raises; None (default) re-raises instead.
+        return_errors: also return N bools marking the rows that got ``error_score``.
 
     Returns:
-        N floats, in row order.
+        N floats in row order (and the N error flags with ``return_errors``).
 
     Raises:
         KeyError: a required column is missing.
-        ValueError: a row's ``data_source`` has no registered reward, or ``len(texts) != N``.
+        ValueError: ``len(texts) != N``, or a row's ``data_source`` has no registered reward.
+        RuntimeError: a scoring function raised and ``error_score`` is None; the message names the row
+            (its ``index`` column when present), its data_source and the start of the response.
     """
     if texts is None:
         texts = decode_responses(tokenizer, data)
@@ -51,8 +56,20 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
     if missing:
         raise KeyError(f"score_batch needs non-tensor columns {missing}; has {sorted(nt)}")
     extra = nt.get("extra_info")
-    return [
-        float(default_compute_score(nt["data_source"][i], text, nt["ground_truth"][i],
-                                    None if extra is None else extra[i]))
-        for i, text in enumerate(texts)
-    ]
+    scores, errors = [], []
+    for i, text in enumerate(texts):
+        fn = get_reward_fn(nt["data_source"][i])  # an unknown data_source is a data error, never scored
+        try:
+            scores.append(float(fn(text, nt["ground_truth"][i], None if extra is None else extra[i])))
+            errors.append(False)
+        except Exception as err:
+            if error_score is None:
+                sample = nt["index"][i] if "index" in nt else i
+                raise RuntimeError(
+                    f"reward function failed on sample index={sample} (data_source={nt['data_source'][i]!r}, "
+                    f"response={text[:200]!r}): {type(err).__name__}: {err}; set reward_model.error_score "
+                    "to score such samples instead of stopping"
+                ) from err
+            scores.append(float(error_score))
+            errors.append(True)
+    return (scores, errors) if return_errors else scores

@@ -12,7 +12,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
-from hybridflow.rewards import default_compute_score
+from hybridflow.rewards.batch import score_batch
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -45,26 +45,8 @@ class RuleRewardWorker(Worker):
 
         A scoring function that raises stops the run with an error naming the sample, unless
         ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample."""
-        responses = data.batch["responses"]
+        scores, errors = score_batch(self.tokenizer, data, error_score=self.config.reward_model.error_score,
+                                     return_errors=True)
         mask = data.batch["response_mask"]
-        nt = data.non_tensor_batch
-        fallback = self.config.reward_model.error_score
-        scores, errors = [], []
-        for i in range(len(data)):
-            text = self.tokenizer.decode(responses[i][mask[i].bool()].tolist(), skip_special_tokens=True)
-            extra = nt["extra_info"][i] if "extra_info" in nt else None
-            try:
-                scores.append(float(default_compute_score(nt["data_source"][i], text, nt["ground_truth"][i], extra)))
-                errors.append(False)
-            except Exception as err:
-                if fallback is None:
-                    sample = nt["index"][i] if "index" in nt else i
-                    raise RuntimeError(
-                        f"reward function failed on sample index={sample} (data_source={nt['data_source'][i]!r}, "
-                        f"response={text[:200]!r}): {type(err).__name__}: {err}; set reward_model.error_score "
-                        "to score such samples instead of stopping"
-                    ) from err
-                scores.append(float(fallback))
-                errors.append(True)
         return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
                                             "reward_error": torch.tensor(errors, dtype=torch.bool)})

@@ -1,9 +1,10 @@
 """Models shipped inside the package, addressed as ``"builtin:NAME"`` in configs.
 
-``tiny-arith``: a 0.9M-parameter Llama (hidden 128, 4 layers, 4 query / 2 key-value heads of dim 32,
-tied embeddings, fp32) with a 512-token byte-level BPE tokenizer, SFT-trained on the built-in
-arithmetic task (``hybridflow.data.builtin_task``) so that greedy decoding usually takes a wrong
-shortcut while sampling is often right: the starting point of the quickstart RL run. Rebuild it with
+``tiny-arith``: a 0.85M-parameter Llama (hidden 128, 4 layers, 4 query / 2 key-value heads of
+dim 32, tied embeddings, fp32, vocab 512) with a 494-token byte-level BPE tokenizer, SFT-trained on
+the built-in arithmetic task (``hybridflow.data.builtin_task``) so that greedy decoding usually
+takes a wrong shortcut while sampling is often right: the starting point of the quickstart RL run.
+Rebuild it with
 ``python -m hybridflow.models.builtin.build_tiny_arith --out hybridflow/assets/tiny-arith``.
 """
 

@@ -1,0 +1,177 @@
+"""``hybridflow plan``: search device placements and parallel sizes with the cost model (HybridFlow §6).
+
+    hybridflow plan --cluster 16x8:A100-80G --algorithm ppo --actor 7B [--critic 13B --reward rule ...]
+                    [--batch 1024 --prompt-len 1024 --response-len 1024 --ppo-epochs 1 --top-k 5]
+                    [--json] [--emit-config FILE]
+
+Prints the best plan as tables (stage times, per-role layouts and times, memory per set), the baselines and
+the top-k; ``--json`` prints one JSON object instead; ``--emit-config FILE`` writes the YAML snippet that
+``hybridflow train`` accepts (see ``hybridflow.mapping.emit``). Exit status: 0 a plan was found, 1 no plan
+fits, 2 bad arguments (unknown preset, malformed cluster, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridflow.mapping.cost import CostParams
+from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.emit import write_config
+from hybridflow.mapping.search import MappingSearch, Plan, SearchResult, SearchSpace
+from hybridflow.mapping.specs import ALGORITHMS, SpecError, Workload, get_model, parse_cluster
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "choose device placement and parallel sizes with the cost model (HybridFlow §6)"
+NO_MODEL = ("rule", "none")  # --reward rule: a rule-based reward, no model on the devices
+GB = 1e9
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``hybridflow plan``."""
+    parser.add_argument("--cluster", required=True, metavar="NxD:DEVICE",
+                        help="NODES x DEVICES per node : device preset (A100-80G, H100, H200, cpu), e.g. 16x8:A100-80G")
+    parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="ppo")
+    parser.add_argument("--actor", required=True, metavar="MODEL",
+                        help="preset (7B, 13B, 34B, 70B, tiny-arith) or a local HF model directory")
+    for role in ("critic", "reference", "reward", "cost", "cost-critic"):
+        extra = "; 'rule' for a rule-based reward (no model)" if role == "reward" else ""
+        parser.add_argument(f"--{role}", metavar="MODEL", default=None,
+                            help=f"model of the {role} (default: the actor's){extra}")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--batch", type=int, default=1024, help="prompts per iteration")
+    workload.add_argument("--n", type=int, default=1, help="responses per prompt")
+    workload.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens")
+    workload.add_argument("--response-len", type=int, default=1024, help="response tokens")
+    workload.add_argument("--ppo-epochs", type=int, default=1)
+    workload.add_argument("--ppo-updates", type=int, default=1, help="optimizer steps (mini-batches) per epoch")
+    workload.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward per rank")
+    model = parser.add_argument_group("cost model")
+    defaults = CostParams()
+    model.add_argument("--train-mfu", type=float, default=defaults.train_mfu)
+    model.add_argument("--infer-mfu", type=float, default=defaults.infer_mfu)
+    model.add_argument("--gen-mbu", type=float, default=defaults.gen_mbu, help="memory-bandwidth use in decoding")
+    model.add_argument("--mem-usable", type=float, default=defaults.mem_usable, help="usable fraction of memory")
+    model.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=defaults.zero_stage,
+                       help="sharding of training states over dp (3: FSDP, as hybridflow's workers)")
+    model.add_argument("--no-recompute", action="store_true", help="no activation checkpointing")
+    space = parser.add_argument_group("search")
+    space.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size (default: node size)")
+    space.add_argument("--max-pp", type=int, default=None, help="largest pipeline-parallel size")
+    space.add_argument("--unit", type=int, default=None, help="set sizes: divisors and multiples of this "
+                                                              "(default: devices per node)")
+    parser.add_argument("--top-k", type=int, default=5, help="plans to list")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--emit-config", metavar="FILE", default=None,
+                        help="write the config snippet (pools, mapping, layouts) for `hybridflow train`")
+
+
+def _models(args: argparse.Namespace, roles: tuple[str, ...]):
+    actor = get_model(args.actor)
+    out = {}
+    for role in roles:
+        name = args.actor if role == "actor" else getattr(args, role)
+        if role == "reward" and name is not None and name.lower() in NO_MODEL:
+            out[role] = None
+        else:
+            out[role] = actor if name is None else get_model(name)
+    return out
+
+
+def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
+    cluster = parse_cluster(args.cluster)
+    workload = Workload(args.algorithm, args.batch, args.n, args.prompt_len, args.response_len, args.ppo_epochs,
+                        args.ppo_updates, args.micro_batch)
+    params = CostParams(train_mfu=args.train_mfu, infer_mfu=args.infer_mfu, gen_mbu=args.gen_mbu,
+                        mem_usable=args.mem_usable, zero_stage=args.zero, recompute=not args.no_recompute)
+    space = SearchSpace(args.max_tp, args.max_pp, args.unit)
+    if args.top_k < 1:
+        raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
+    return MappingSearch(_models(args, workload.roles), workload, cluster, params, space), workload
+
+
+def run(args: argparse.Namespace) -> int:
+    """Handler of ``hybridflow plan``; returns the exit status."""
+    args.cost_critic = getattr(args, "cost_critic", None)
+    try:
+        searcher, workload = _build(args)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = searcher.run(args.top_k)
+    if args.json:
+        print(json.dumps({"cluster": str(searcher.cluster), "devices": searcher.cluster.n_devices,
+                          "workload": _workload_dict(workload),
+                          "models": {r: m.name for r, m in searcher.models.items()}, **result.to_dict()}))
+    else:
+        print(format_result(result, searcher))
+    if result.best is None:
+        if not args.json:
+            print("no plan fits: every placement runs out of device memory; use more devices or smaller models",
+                  file=sys.stderr)
+        return 1
+    if args.emit_config:
+        try:
+            write_config(args.emit_config, result.best, searcher.cluster, workload)
+        except (SpecError, OSError) as exc:
+            print(f"error: cannot write {args.emit_config}: {exc}", file=sys.stderr)
+            return 2
+        if not args.json:
+            print(f"\nwrote the config snippet to {args.emit_config}")
+    return 0
+
+
+def _workload_dict(w: Workload) -> dict:
+    return {"algorithm": w.algorithm, "batch": w.batch, "n": w.n, "prompt_len": w.prompt_len,
+            "response_len": w.response_len, "ppo_epochs": w.ppo_epochs, "ppo_updates": w.ppo_updates,
+            "micro_batch": w.micro_batch}
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    """Stage times, per-role phases and memory per set of one plan, as text tables."""
+    stages = " | ".join(f"{s} {plan.stage_seconds[s]:.4g} s" for s in STAGES)
+    out = [f"estimated iteration: {plan.seconds:.4g} s  ({stages})", ""]
+    rows = []
+    for i, est in enumerate(plan.sets):
+        for ph in est.phases:
+            extra = f"{ph.waves} wave(s) of {ph.batch}/replica" if ph.kind == "generate" else ""
+            rows.append([str(i), ph.role, ph.kind, ph.stage, str(ph.layout.pp), str(ph.layout.tp), str(ph.layout.dp),
+                         f"{ph.seconds:.4g}", extra])
+    out.append(_table(["set", "role", "phase", "stage", "pp", "tp", "dp", "seconds", ""], rows))
+    out.append("")
+    rows = []
+    for i, est in enumerate(plan.sets):
+        states = " + ".join(f"{m.role} {m.persistent / GB:.3g}" for m in est.memory)
+        rows.append([str(i), "+".join(est.roles), str(est.devices), states,
+                     f"{max([m.transient for m in est.memory] + [est.gen_bytes]) / GB:.3g}",
+                     f"{est.peak_bytes / GB:.3g}", f"{est.usable_bytes / GB:.3g}"])
+    out.append(_table(["set", "models", "devices", "states GB/device", "transient", "peak", "usable"], rows))
+    return "\n".join(out)
+
+
+def format_result(result: SearchResult, searcher: MappingSearch) -> str:
+    """The text report of ``hybridflow plan``."""
+    wl, cluster = searcher.workload, searcher.cluster
+    out = [f"hybridflow plan: {wl.algorithm} on {cluster} ({cluster.n_devices} devices); "
+           f"{wl.batch} prompts x {wl.n}, {wl.prompt_len} + {wl.response_len} tokens; models: "
+           + ", ".join(f"{r} {m.name}" for r, m in searcher.models.items()),
+           f"searched {result.placements} placements, {result.allocations} allocations "
+           f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s", ""]
+    if result.best is None:
+        return "\n".join(out + ["no feasible plan"])
+    out += [f"best plan: {result.best.describe()}", format_plan(result.best), ""]
+    rows = [[name, "-" if p is None else f"{p.seconds:.4g}", "infeasible" if p is None else p.describe()]
+            for name, p in result.baselines.items()]
+    out += ["baselines (best allocation and layouts of each placement):", _table(["placement", "seconds", "plan"],
+                                                                                  rows), ""]
+    rows = [[str(i + 1), f"{p.seconds:.4g}", p.describe()] for i, p in enumerate(result.top)]
+    out += [f"top {len(result.top)}:", _table(["#", "seconds", "plan"], rows)]
+    return "\n".join(out)
