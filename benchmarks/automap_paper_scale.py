@@ -14,20 +14,23 @@ Prints ONE JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
-from hybridflow.mapping.specs import ClusterSpec, Workload, get_device, get_model
+from hybridflow.mapping.cost import CostParams
 from hybridflow.mapping.search import search
+from hybridflow.mapping.specs import ClusterSpec, Workload, get_device, get_model
 
 BASELINES = ("colocate", "standalone", "split")
 
 
-def run_case(size: str, gpus: int) -> dict:
+def run_case(size: str, gpus: int, workload: Workload, params: CostParams) -> dict:
     model = get_model(size)
     cluster = ClusterSpec(gpus // 8, 8, get_device("A100-80G"))
     start = time.perf_counter()
-    result = search({r: model for r in ("actor", "critic", "reference", "reward")}, Workload(), cluster, top_k=3)
+    result = search({r: model for r in ("actor", "critic", "reference", "reward")}, workload, cluster, params,
+                    top_k=3)
     elapsed = time.perf_counter() - start
     best = result.best
     row = {"model": size, "gpus": gpus, "search_seconds": round(elapsed, 3),
@@ -58,12 +61,16 @@ def trends(rows: list[dict]) -> dict:
     """The paper's qualitative claims, checked on the rows (true / false / 'n/a' when no row applies)."""
     small = [r for r in rows if r["gpus"] <= 32 and r["chosen"]]
     large_mid = [r for r in rows if r["gpus"] >= 64 and r["model"] in ("13B", "34B") and r["chosen"]]
+    large = [r for r in rows if r["gpus"] >= 64 and r["chosen"]]
     return {
         "colocate_best_on_small_clusters": (all(r["chosen"]["placement_kind"] == "colocate" for r in small)
                                             if small else "n/a"),
         "split_or_standalone_for_mid_models_on_large_clusters": (
             any(r["chosen"]["placement_kind"] in ("split", "standalone") for r in large_mid) if large_mid else "n/a"),
-        "chosen_placements": {f"{r['model']}@{r['gpus']}": r["chosen"]["placement_kind"] for r in rows if r["chosen"]},
+        "any_multi_set_placement_on_large_clusters": [f"{r['model']}@{r['gpus']}" for r in large
+                                                      if r["chosen"]["placement_kind"] != "colocate"],
+        "chosen_placements": {f"{r['model']}@{r['gpus']}": r["chosen"]["plan"] for r in rows if r["chosen"]},
+        "infeasible": [f"{r['model']}@{r['gpus']}" for r in rows if not r["chosen"]],
     }
 
 
@@ -71,11 +78,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["7B", "13B", "34B", "70B"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--ppo-updates", type=int, default=1, help="optimizer steps per epoch")
+    parser.add_argument("--call-overhead", type=float, default=0.0, metavar="SECONDS",
+                        help="fixed seconds per model call (sensitivity: scaling that is not linear)")
     args = parser.parse_args()
-    rows = [run_case(size, gpus) for size in args.sizes for gpus in args.gpus]
-    print(json.dumps({"device": "A100-80G", "workload": vars(Workload()) if hasattr(Workload(), "__dict__") else {},
-                      "cases": rows, "max_search_seconds": max(r["search_seconds"] for r in rows),
-                      "trends": trends(rows)}, indent=1))
+    workload = Workload(ppo_updates=args.ppo_updates)
+    params = CostParams(call_overhead_s=args.call_overhead)
+    rows = [run_case(size, gpus, workload, params) for size in args.sizes for gpus in args.gpus]
+    print(json.dumps({"device": "A100-80G", "workload": dataclasses.asdict(workload),
+                      "cost_params": dataclasses.asdict(params), "cases": rows,
+                      "max_search_seconds": max(r["search_seconds"] for r in rows), "trends": trends(rows)},
+                     indent=1))
 
 
 if __name__ == "__main__":

@@ -116,12 +116,12 @@ def _run_eval(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
     "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
                     _run_data),
     "eval": Command("score a model on parquet prompts with the rule rewards, without training", _add_eval_arguments,
                     _run_eval),
+    "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
 }
 
 

@@ -153,8 +153,8 @@ def _render(key: tuple[str, str, int, int, int], rng: random.Random) -> ArithPro
 def make_builtin_problems(split: str, num: int, seed: int) -> list[ArithProblem]:
     """Draw ``num`` problems of ``split``, deterministically from ``seed``.
 
-    Keys are drawn without replacement while the split has enough of them (train: ~4.9k,
-    val: ~0.5k), then the draw starts over with a fresh shuffle; wording is drawn per problem.
+    Keys are drawn without replacement while the split has enough of them (train: 4479,
+    val: 540), then the draw starts over with a fresh shuffle; wording is drawn per problem.
 
     Raises:
         ValueError: unknown ``split`` or negative ``num``.

@@ -1,8 +1,9 @@
 """Simulators of HybridFlow's auto-mapping (Sheng et al. 2024, arXiv 2409.19256, §6): time and memory of one
 model's training, inference (forward) and generation on ``pp x tp x dp`` devices.
 
-Training and inference are compute-bound: time = FLOP per device / (peak x MFU), stretched by the pipeline
-bubble, plus tensor-parallel all-reduces per layer and the data-parallel gradient all-reduce. Generation is
+Training and inference are compute-bound: time = FLOP per device / (peak x MFU), plus tensor-parallel
+all-reduces per layer and pipeline sends per micro-batch, stretched by the pipeline bubble, plus the
+data-parallel gradient all-reduce. Generation is
 memory-bandwidth-bound: each decode step reads the device's weight shard and the KV cache of its batch
 (roofline: the larger of that read time and the step's FLOP time); the KV cache must fit next to the model
 states, so a replica decodes its sequences in as many waves as the cache capacity needs.
@@ -90,6 +91,9 @@ class CostParams:
         bad = [f"{k}={v}" for k, v in fractions.items() if not 0 < v <= 1]
         if bad:
             raise SpecError(f"cost params: utilisation factors must be in (0, 1], got {', '.join(bad)}")
+        if self.decode_step_overhead_s < 0 or self.call_overhead_s < 0:
+            raise SpecError(f"cost params: overheads must be >= 0 s, got decode_step_overhead_s="
+                            f"{self.decode_step_overhead_s}, call_overhead_s={self.call_overhead_s}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"cost params: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
@@ -177,8 +181,9 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
 
     Each dp rank handles ceil(sequences / dp) sequences per epoch in micro-batches of ``micro_batch``; its
     stage does train_flops / (tp·pp) of them at ``train_mfu``, plus (4, or 6 with recompute) tp all-reduces per
-    layer per micro-batch and 2 pipeline sends per micro-batch, all stretched by the pipeline bubble; then each optimizer step all-reduces the
-    gradient shard (N / (tp·pp) elements) over dp (x1.5 with ZeRO-3 for the parameter all-gathers).
+    layer per micro-batch and 2 pipeline sends per micro-batch, all stretched by the pipeline bubble; then each
+    optimizer step all-reduces the gradient shard (N / (tp·pp) elements) over dp (x1.5 with ZeRO-3 for the
+    parameter all-gathers).
     """
     dev = cluster.device
     per_rank = ceil_div(sequences, layout.dp)

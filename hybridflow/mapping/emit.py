@@ -19,7 +19,8 @@ from hybridflow.mapping.specs import ClusterSpec, SpecError, Workload
 
 __all__ = ["plan_to_config", "plan_to_yaml", "write_config"]
 
-CONFIG_ROLES = ("actor", "critic", "reward")  # roles of resource_pool.mapping
+#: algorithm.adv_estimator of the algorithms whose dataflow the plan assumed (Safe-RLHF has its own driver)
+ADV_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 
 
 def _pool_name(roles: tuple[str, ...]) -> str:
@@ -45,6 +46,8 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     mapping = {"actor": _pool_name(actor_set.roles)}
     if "critic" in roles:
         mapping["critic"] = _pool_name(plan.set_of("critic").roles)
+    else:  # no critic worker runs, but the driver checks that every config role names a pool
+        mapping["critic"] = mapping["actor"]
     if "reward" in roles:
         mapping["reward"] = _pool_name(plan.set_of("reward").roles)
     else:
@@ -84,7 +87,7 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     else:
         notes.append(f"ppo mini-batch of {mini * workload.n} sequences does not split over {world} ranks: "
                      "the config loader will ask for another batch size")
-    for role in mapping:
+    for role in ("actor", "critic") if "critic" in roles else ("actor",):
         pool_ranks = sum(pools.get(mapping[role], [])) or world
         if (mini * workload.n) % pool_ranks:
             notes.append(f"{role}: a mini-batch of {mini * workload.n} sequences does not split evenly over the "
@@ -103,7 +106,19 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
         "resource_pool": {"pools": pools, "mapping": mapping},
         "layouts": layouts,
     }
+    if workload.algorithm in ADV_ESTIMATORS:
+        config["algorithm"] = {"adv_estimator": ADV_ESTIMATORS[workload.algorithm]}
+    else:
+        notes.append(f"algorithm: planned for {workload.algorithm}; choose its driver and estimator yourself")
     return config, notes
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block-style mappings, flow-style lists (``[pp, tp, dp]`` and per-node rank counts on one line)."""
+
+
+_Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data,
+                                                                              flow_style=True))
 
 
 def plan_to_yaml(plan: Plan, cluster: ClusterSpec, workload: Workload) -> str:
@@ -115,7 +130,7 @@ def plan_to_yaml(plan: Plan, cluster: ClusterSpec, workload: Workload) -> str:
             f"estimated iteration: {plan.seconds:.4g} s ({stages})",
             "layouts are [pp, tp, dp] per role and phase (informational until the workers read them)",
             *notes]
-    body = yaml.safe_dump(config, sort_keys=False, default_flow_style=None)
+    body = yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
     return "".join(f"# {line}\n" for line in head) + body
 
 

@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=defaults.zero_stage,
                        help="sharding of training states over dp (3: FSDP, as hybridflow's workers)")
     model.add_argument("--no-recompute", action="store_true", help="no activation checkpointing")
+    model.add_argument("--decode-step-overhead", type=float, default=defaults.decode_step_overhead_s,
+                       metavar="SECONDS", help="fixed time per decode step (launches, sampling, Python)")
+    model.add_argument("--call-overhead", type=float, default=defaults.call_overhead_s, metavar="SECONDS",
+                       help="fixed time per model call (dispatch, data movement)")
     space = parser.add_argument_group("search")
     space.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size (default: node size)")
     space.add_argument("--max-pp", type=int, default=None, help="largest pipeline-parallel size")
@@ -85,7 +89,8 @@ def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     workload = Workload(args.algorithm, args.batch, args.n, args.prompt_len, args.response_len, args.ppo_epochs,
                         args.ppo_updates, args.micro_batch)
     params = CostParams(train_mfu=args.train_mfu, infer_mfu=args.infer_mfu, gen_mbu=args.gen_mbu,
-                        mem_usable=args.mem_usable, zero_stage=args.zero, recompute=not args.no_recompute)
+                        mem_usable=args.mem_usable, zero_stage=args.zero, recompute=not args.no_recompute,
+                        decode_step_overhead_s=args.decode_step_overhead, call_overhead_s=args.call_overhead)
     space = SearchSpace(args.max_tp, args.max_pp, args.unit)
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")

@@ -14,7 +14,8 @@ Search space and pruning:
   heads, and pp divides the number of layers; generation layouts reshard from the training layout (their
   tp·pp divides, or is a multiple of, the training tp·pp: the 3D-HybridEngine's micro-dp groups);
 - a model's layouts whose states and activations do not fit alone are dropped, and so are layouts that are
-  slower *and* need more memory than another (Pareto front on time, persistent and transient bytes);
+  slower *and* need more memory than another (Pareto front on time, persistent and transient bytes; not for
+  the actor, whose training layout also decides its generation options);
 - colocated models' layouts are chosen together (their states share the devices' memory; the actor's KV cache
   takes what is left), by branch and bound on the set's summed time;
 - caching: a role's layouts per set size, and a set's best layouts per (models, size), are computed once and
@@ -370,10 +371,12 @@ class MappingSearch:
     def _role_works(self, role: str) -> list[Work]:
         return [w for w in self.works if w.role == role]
 
-    def role_candidates(self, role: str, n: int) -> list[_Candidate]:
-        """Layouts of ``role`` on ``n`` devices that fit alone, Pareto-pruned, fastest first (cached)."""
+    def role_candidates(self, role: str, n: int, prune: bool = True) -> list[_Candidate]:
+        """Layouts of ``role`` on ``n`` devices that fit alone, fastest first (cached). With ``prune``, a layout
+        that another beats or ties on time, persistent and transient bytes is dropped, except for the actor
+        when it generates (its layout also decides which generation layouts it can reshard to, and how)."""
         key = (role, n)
-        if key in self._candidates:
+        if prune and key in self._candidates:
             return self._candidates[key]
         model, dev, wl, p = self.models[role], self.cluster.device, self.workload, self.params
         role_works = [w for w in self._role_works(role) if w.kind != "generate"]
@@ -399,7 +402,11 @@ class MappingSearch:
             memory = RoleMemory(role, layout, states["weights"], states["grads"], states["optimizer"], transient)
             if memory.persistent + transient <= self.usable:
                 out.append(_Candidate(layout, tuple(phases), sum(ph.seconds for ph in phases), memory))
-        out = _pareto(out)
+        out.sort(key=lambda c: (c.seconds, c.memory.persistent, c.memory.transient))
+        if not prune:
+            return out
+        if not (role == "actor" and self._gen_works):
+            out = _pareto(out)
         self._candidates[key] = out
         return out
 
@@ -603,7 +610,8 @@ class MappingSearch:
             for alloc in self.allocations(placement):
                 n_allocs += 1
                 sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
-                total = sum(map(max, *(s.stage_vector for s in sets))) if len(sets) > 1 else sum(sets[0].stage_vector)
+                vectors = [s.stage_vector for s in sets]
+                total = sum(map(max, *vectors)) if len(vectors) > 1 else sum(vectors[0])
                 if placement not in by_placement or total < by_placement[placement][0]:
                     by_placement[placement] = (total, alloc)
                 item = (-total, -n_allocs, placement, alloc)
@@ -625,8 +633,8 @@ class MappingSearch:
 
 
 def _pareto(cands: list[_Candidate]) -> list[_Candidate]:
-    """Drop candidates another one beats or ties on time, persistent and transient bytes; fastest first."""
-    cands = sorted(cands, key=lambda c: (c.seconds, c.memory.persistent, c.memory.transient))
+    """Drop candidates another one beats or ties on time, persistent and transient bytes (``cands`` sorted
+    fastest first)."""
     kept: list[_Candidate] = []
     for c in cands:
         if not any(k.memory.persistent <= c.memory.persistent and k.memory.transient <= c.memory.transient

@@ -3,7 +3,7 @@
 Usage (prints one JSON object)::
 
     python -m hybridflow.models.builtin.check_tiny_arith [--model builtin:tiny-arith] [--num-val 256]
-        [--samples 4] [--rl-smoke [--rl-updates 60] [--rl-batch 64] [--rl-lr 5e-4]]
+        [--samples 4] [--rl-smoke [--rl-updates 60] [--rl-batch 64] [--rl-lr 1e-4]]
 
 Reports the greedy score and the mean temperature-1.0 (top-p 1, no top-k) sampled score on ``val``
 prompts, scored by ``hybridflow.rewards.default_compute_score`` exactly as the RL run scores them,
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rl-smoke", action="store_true", help="also run the REINFORCE smoke test")
     parser.add_argument("--rl-updates", type=int, default=60)
     parser.add_argument("--rl-batch", type=int, default=64)
-    parser.add_argument("--rl-lr", type=float, default=5e-4)
+    parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--rl-eval-every", type=int, default=10, help="updates between val evals")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -1,0 +1,102 @@
+"""``hybridflow plan``: table and JSON output, exit statuses, and the emitted config snippet, which
+``hybridflow train`` must accept as a recipe on its own and merged into the quickstart."""
+
+import json
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from hybridflow.cli import main
+from hybridflow.config import load_config, resolve_recipe
+from hybridflow.mapping.emit import plan_to_config
+from hybridflow.mapping.search import MappingSearch
+from hybridflow.mapping.specs import Workload, get_model, parse_cluster
+
+CPU_ARGS = ["plan", "--cluster", "1x4:cpu", "--actor", "tiny-arith", "--reward", "rule", "--batch", "32",
+            "--prompt-len", "64", "--response-len", "32", "--ppo-updates", "2", "--micro-batch", "8", "--zero", "3",
+            "--max-tp", "1", "--max-pp", "1"]
+
+
+def test_json_output(capsys):
+    assert main(["plan", "--cluster", "2x8:A100-80G", "--actor", "7B", "--top-k", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["devices"] == 16 and out["models"]["actor"] == "7B"
+    best = out["best"]["seconds"]
+    assert all(b is None or best <= b["seconds"] for b in out["baselines"].values())
+    assert len(out["top"]) == 3 and out["top"][0]["seconds"] == best
+    assert set(out["best"]["stages"]) == {"generate", "prepare", "train"}
+    assert sum(out["best"]["allocation"]) == 16
+
+
+def test_table_output(capsys):
+    assert main(CPU_ARGS) == 0
+    out = capsys.readouterr().out
+    for text in ("best plan:", "estimated iteration:", "baselines", "top 5:", "states GB/device", "actor"):
+        assert text in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cluster", "2x8:V100", "--actor", "7B"], "unknown device 'V100'"),
+    (["--cluster", "2x8:H100", "--actor", "8B"], "not a preset"),
+    (["--cluster", "2x8:H100", "--actor", "7B", "--batch", "0"], "batch=0"),
+])
+def test_bad_arguments_exit_2(capsys, args, message):
+    assert main(["plan", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_no_feasible_plan_exits_1(capsys):
+    assert main(["plan", "--cluster", "1x8:A100-80G", "--actor", "70B"]) == 1
+    assert "no plan fits" in capsys.readouterr().err
+
+
+def test_emitted_config_loads_alone_and_merged_into_quickstart(tmp_path, capsys):
+    snippet = tmp_path / "plan.yaml"
+    assert main([*CPU_ARGS, "--emit-config", str(snippet)]) == 0
+    capsys.readouterr()
+    alone = load_config(str(snippet))
+    pools = dict(alone.resource_pool.pools)
+    mapping = dict(alone.resource_pool.mapping)
+    assert set(mapping) == {"actor", "critic", "reward"} and set(mapping.values()) <= set(pools)
+    assert sum(sum(v) for v in pools.values()) <= 4
+    for role, phases in alone.layouts.items():
+        ranks = sum(pools[mapping.get(role, mapping["actor"])])
+        for pp, tp, dp in phases.values():
+            assert pp * tp * dp == ranks, (role, phases)
+    merged = OmegaConf.merge(OmegaConf.load(resolve_recipe("quickstart")), OmegaConf.load(snippet))
+    recipe = tmp_path / "quickstart_planned.yaml"
+    OmegaConf.save(merged, recipe)
+    cfg = load_config(str(recipe))
+    assert cfg.trainer.n_gpus_per_node == 4 and cfg.trainer.device == "cpu"
+    assert dict(cfg.resource_pool.pools) == pools
+    assert cfg.trainer.experiment_name == "quickstart"  # the rest of the quickstart is kept
+
+
+def test_reference_planned_apart_is_mapped_with_the_actor():
+    cluster = parse_cluster("2x8:A100-80G")
+    models = {r: get_model("7B") for r in ("actor", "critic", "reference", "reward")}
+    search = MappingSearch(models, Workload(), cluster)
+    plan = search.plan([["actor", "reward"], ["critic", "reference"]], [8, 8])
+    config, notes = plan_to_config(plan, cluster, Workload())
+    mapping = config["resource_pool"]["mapping"]
+    assert mapping == {"actor": "actor_reward", "critic": "critic_reference", "reward": "actor_reward"}
+    assert "reference" not in config["layouts"]
+    assert any("reference" in n and "actor's process" in n for n in notes)
+    text = yaml.safe_dump(config)
+    assert "critic_reference" in text
+
+
+def test_grpo_snippet_maps_every_config_role_and_sets_the_estimator(tmp_path, capsys):
+    snippet = tmp_path / "grpo.yaml"
+    assert main(["plan", "--cluster", "1x8:H100", "--algorithm", "grpo", "--actor", "7B", "--batch", "64", "--n",
+                 "8", "--emit-config", str(snippet)]) == 0
+    capsys.readouterr()
+    merged = OmegaConf.merge(OmegaConf.load(resolve_recipe("quickstart")), OmegaConf.load(snippet))
+    recipe = tmp_path / "r.yaml"
+    OmegaConf.save(merged, recipe)
+    cfg = load_config(str(recipe))
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.critic.enable is False
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert set(cfg.resource_pool.mapping) == {"actor", "critic", "reward"}
+    assert set(cfg.resource_pool.mapping.values()) <= set(cfg.resource_pool.pools)

@@ -1,0 +1,54 @@
+"""An existing Ray cluster: `ray start --head` on loopback, then `ray job submit` of a 2-step run (the driver
+connects through RAY_ADDRESS instead of starting its own cluster). The test stops the cluster it started."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray() -> str:
+    return shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+
+
+def test_ray_job_submit_to_existing_cluster(tmp_path):
+    gcs, dashboard = _free_port(), _free_port()
+    temp_dir = tempfile.mkdtemp(prefix="hfray", dir="/tmp")  # Ray's socket paths must stay short
+    # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode)
+    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
+    start = [_ray(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+             f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
+    try:
+        out = tmp_path / "run"
+        submit = [_ray(), "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),
+                  "--", "hybridflow", "train", "recipes/quickstart.yaml", "trainer.total_training_steps=2",
+                  "trainer.test_freq=-1", "trainer.val_before_train=false", "data.train_batch_size=8",
+                  "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+                  f"trainer.default_local_dir={out}"]
+        result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "succeeded" in result.stdout.lower()
+        assert "Started a local Ray instance" not in result.stdout  # it joined the existing cluster
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        assert len(lines) == 2
+    finally:
+        subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp_dir, ignore_errors=True)
