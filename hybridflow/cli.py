@@ -115,6 +115,22 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a global_step_<N> directory (or its actor/)")
+    parser.add_argument("out", metavar="OUT_DIR", help="where to write the Hugging Face model directory")
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from hybridflow.models.export import export_checkpoint  # torch loads only from here on
+
+    try:
+        print(export_checkpoint(args.checkpoint, args.out))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
     "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
@@ -122,6 +138,8 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("score a model on parquet prompts with the rule rewards, without training", _add_eval_arguments,
                     _run_eval),
     "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
+    "export": Command("write a checkpoint's actor as a Hugging Face model directory", _add_export_arguments,
+                      _run_export),
 }
 
 

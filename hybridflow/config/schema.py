@@ -83,7 +83,9 @@ class RolloutConfig:
     top_k: int = -1  # -1 disables top-k
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
     micro_batch_size_per_gpu: int = 64  # prompts per generate() call on one rank
-    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)  # sampling for validation
+    # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
+    # with these settings and logs val/mean@<n>
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
 
 
 @dataclass

@@ -1,4 +1,9 @@
-"""Validation: greedy (or ``rollout.val_kwargs``) generation on held-out prompts, scored by the reward group."""
+"""Validation on held-out prompts, scored by the reward group.
+
+Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. When
+``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
+``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +13,39 @@ import numpy as np
 
 from hybridflow.protocol import DataProto
 
+GREEDY = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
 
-def validate(config, actor, reward, val_data: DataProto) -> dict[str, float]:
-    """Mean score over ``val_data`` as ``val/score`` plus ``val/score/<data_source>`` per source.
 
-    With ``val_kwargs.n > 1`` the score is mean@n (the average over n samples per prompt).
-    """
-    kw = config.actor_rollout_ref.rollout.val_kwargs
+def _scores(config, actor, reward, val_data: DataProto, sampling: dict) -> tuple[list[float], list[str]]:
     batch_size = config.data.val_batch_size or len(val_data)
     scores: list[float] = []
     sources: list[str] = []
     for chunk in val_data.split(batch_size):
         prompts = chunk.select(["input_ids", "attention_mask", "position_ids"])
-        prompts.meta_info.update(do_sample=kw.do_sample, temperature=kw.temperature, top_p=kw.top_p,
-                                 top_k=kw.top_k, n=kw.n, seed=config.trainer.seed)
+        prompts.meta_info.update(sampling, seed=config.trainer.seed)
         gen = actor.generate_sequences(prompts)
-        rows = chunk.repeat(kw.n, interleave=True)
+        rows = chunk.repeat(sampling["n"], interleave=True)
         rows = DataProto(batch=gen.batch, non_tensor_batch=rows.non_tensor_batch)
-        seq_scores = reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1)
-        scores.extend(seq_scores.tolist())
+        scores.extend(reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist())
         sources.extend(rows.non_tensor_batch["data_source"].tolist())
+    return scores, sources
+
+
+def _summarise(name: str, scores: list[float], sources: list[str]) -> dict[str, float]:
     by_source: dict[str, list[float]] = defaultdict(list)
     for source, score in zip(sources, scores):
         by_source[source].append(score)
-    metrics = {"val/score": float(np.mean(scores))}
-    metrics.update({f"val/score/{src}": float(np.mean(v)) for src, v in by_source.items()})
+    metrics = {name: float(np.mean(scores))}
+    metrics.update({f"{name}/{src}": float(np.mean(v)) for src, v in by_source.items()})
+    return metrics
+
+
+def validate(config, actor, reward, val_data: DataProto) -> dict[str, float]:
+    """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source."""
+    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY))
+    kw = config.actor_rollout_ref.rollout.val_kwargs
+    if kw.do_sample:
+        sampling = {"do_sample": True, "temperature": kw.temperature, "top_p": kw.top_p, "top_k": kw.top_k,
+                    "n": kw.n}
+        metrics.update(_summarise(f"val/mean@{kw.n}", *_scores(config, actor, reward, val_data, sampling)))
     return metrics

@@ -152,9 +152,15 @@ class ActorRolloutRefWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        """Write this rank's shards of the actor weights and optimizer, its lr-scheduler and RNG state."""
+        """Write this rank's shards of the actor weights and optimizer, its lr-scheduler and RNG state; rank 0
+        also writes the HF config, generation config and tokenizer to ``path/hf`` (for ``hybridflow export``)."""
         save_sharded(path, self.actor.module, self.actor.optimizer,
                      {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.actor.skipped_steps})
+        if self.rank == 0:
+            hf_dir = os.path.join(path, "hf")
+            self.actor.module.config.save_pretrained(hf_dir)
+            self.actor.module.generation_config.save_pretrained(hf_dir)
+            self.tokenizer.save_pretrained(hf_dir)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -3,8 +3,12 @@
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hybridflow.config import load_config
+from hybridflow.cli import main
+from hybridflow.models.export import load_actor_state_dict
 from hybridflow.trainer.main import run_ppo
 
 pytestmark = pytest.mark.slow
@@ -29,6 +33,10 @@ def test_ppo_steps_through_ray(tmp_path):
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "critic.ppo_mini_batch_size=4",
             "critic.ppo_micro_batch_size_per_gpu=2",
+            "trainer.save_freq=2",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
         ],
     )
     run_ppo(cfg)
@@ -38,8 +46,24 @@ def test_ppo_steps_through_ray(tmp_path):
     # Before the first update the actor's recomputed logprobs are those the rollout sampled from (fp32).
     assert train[0]["rollout/logprob_diff_max"] <= 1e-5
     assert "val/score" in rows[0] and "val/score" in rows[-1]
+    assert 0.0 <= rows[-1]["val/mean@2"] <= 1.0 and "val/mean@2/hybridflow/arith" in rows[-1]
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "rollout/kl", "response_length/mean",
                 "timing_s/gen", "timing_s/update_actor", "perf/throughput"):
         assert key in train[-1], key
     # the policy changed after one update: the KL to the reference is non-zero at step 2
     assert train[1]["rollout/kl"] != 0.0
+
+    # the checkpoint exports to a Hugging Face directory that plain transformers loads with the trained weights
+    export_dir = tmp_path / "export"
+    assert main(["export", str(out / "global_step_2"), str(export_dir)]) == 0
+    trained = load_actor_state_dict(str(out / "global_step_2"))
+    model = AutoModelForCausalLM.from_pretrained(export_dir)
+    tokenizer = AutoTokenizer.from_pretrained(export_dir)
+    exported = model.state_dict()
+    for name, tensor in trained.items():
+        assert torch.equal(exported[name], tensor), name
+    reference = AutoModelForCausalLM.from_config(model.config)
+    reference.load_state_dict(trained, strict=False)
+    ids = tokenizer("Question: Ann has 3 apples.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -1,0 +1,59 @@
+"""Export a training checkpoint's actor as a Hugging Face model directory (safetensors + config + tokenizer).
+
+A checkpoint's ``actor/`` holds the sharded weights (``torch.distributed.checkpoint``) and ``actor/hf/`` the
+model config, generation config and tokenizer written at save time, so no original model directory is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+HF_SUBDIR = "hf"
+
+
+def _actor_dir(checkpoint_dir: str) -> str:
+    for candidate in (checkpoint_dir, os.path.join(checkpoint_dir, "actor")):
+        if os.path.isdir(os.path.join(candidate, HF_SUBDIR)):
+            return candidate
+    raise FileNotFoundError(
+        f"{checkpoint_dir!r} is not a hybridflow checkpoint: expected <dir>/actor/{HF_SUBDIR}/ "
+        "(pass a global_step_<N> directory or its actor/ subdirectory)"
+    )
+
+
+def load_actor_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """The full (unsharded) actor weights of a checkpoint, by HF parameter name."""
+    actor = _actor_dir(checkpoint_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = os.path.join(tmp, "full.pt")
+        dcp_to_torch_save(actor, target)
+        return torch.load(target, weights_only=False)["model"]
+
+
+def export_checkpoint(checkpoint_dir: str, out_dir: str) -> str:
+    """Write ``out_dir`` loadable by ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer``.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_dir`` is not a checkpoint.
+        ValueError: the checkpoint's weights do not match the saved architecture (missing/unexpected names).
+    """
+    actor = _actor_dir(checkpoint_dir)
+    hf = os.path.join(actor, HF_SUBDIR)
+    config = AutoConfig.from_pretrained(hf)
+    state = load_actor_state_dict(checkpoint_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {checkpoint_dir!r} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(hf).save_pretrained(out_dir)
+    if os.path.exists(os.path.join(hf, "generation_config.json")):
+        GenerationConfig.from_pretrained(hf).save_pretrained(out_dir)
+    return out_dir
