@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -219,6 +219,7 @@ class RayWorkerGroup(_WorkerGroupBase):
         name_prefix: Optional[str] = None,
         num_cpus_per_worker: Optional[float] = None,
         bin_pack: bool = True,
+        _start: bool = True,
     ) -> None:
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
@@ -237,36 +238,68 @@ class RayWorkerGroup(_WorkerGroupBase):
             self._bind(method_name, method_name, spec, getattr(cls, method_name).__doc__)
 
         share = resource_pool.max_colocate_count
-        options = {
+        self._options = {
             "num_cpus": resource_pool.cpus_per_bundle / share if num_cpus_per_worker is None else num_cpus_per_worker,
             "num_gpus": 1 / share if resource_pool.use_gpu else 0,
         }
-        actor_cls = ray.remote(_with_env(cls))
-        world = len(placements)
+        self._actor_cls = ray.remote(_with_env(cls))
+        self._placements = placements
+        self._init = ray_cls_with_init
+        self._bin_pack = bin_pack
+        if _start:
+            RayWorkerGroup._start_all([self])
 
-        def start(rank: int, master: dict[str, Optional[str]]) -> Any:
-            pg, index, count = placements[rank]
-            strategy = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=index if bin_pack else -1
-            )
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(index),
-                   "LOCAL_WORLD_SIZE": str(count), **master}
-            worker = actor_cls.options(scheduling_strategy=strategy, **options).remote(
-                env, *ray_cls_with_init.args, **ray_cls_with_init.kwargs
-            )
-            self._workers.append(worker)
-            return worker
+    def _start_rank(self, rank: int, master: dict[str, Optional[str]]) -> Any:
+        pg, index, count = self._placements[rank]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index if self._bin_pack else -1
+        )
+        env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
+               "LOCAL_WORLD_SIZE": str(count), **master}
+        worker = self._actor_cls.options(scheduling_strategy=strategy, **self._options).remote(
+            env, *self._init.args, **self._init.kwargs
+        )
+        self._workers.append(worker)
+        return worker
 
+    @staticmethod
+    def _start_all(groups: Sequence["RayWorkerGroup"]) -> None:
+        """Start the ranks of several groups in three overlapped waves: every group's rank 0, then (once each
+        rank 0 named its master address) every other rank, then wait for all of them."""
+        started: list[RayWorkerGroup] = []
         try:
-            rank0 = start(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
-            get_outputs([rank0.__ray_ready__.remote()], [0], self._name, "__init__")
-            addr, port = get_outputs([rank0.get_master_addr_port.remote()], [0], self._name, "get_master_addr_port")[0]
-            others = [start(r, {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}) for r in range(1, world)]
-            get_outputs([w.__ray_ready__.remote() for w in others], range(1, world), self._name, "__init__")
+            rank0 = {}
+            for group in groups:
+                started.append(group)
+                rank0[group._name] = group._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
+            pending = []
+            for group in groups:
+                worker = rank0[group._name]
+                get_outputs([worker.__ray_ready__.remote()], [0], group._name, "__init__")
+                addr, port = get_outputs([worker.get_master_addr_port.remote()], [0], group._name,
+                                         "get_master_addr_port")[0]
+                master = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+                others = [group._start_rank(r, master) for r in range(1, len(group._placements))]
+                pending.append((group, others, f"{addr}:{port}"))
+            for group, others, master in pending:
+                get_outputs([w.__ray_ready__.remote() for w in others], range(1, len(group._placements)),
+                            group._name, "__init__")
+                logger.info("worker group %s: %d ranks of %s, master %s", group._name, len(group._placements),
+                            group._cls.__name__, master)
         except BaseException:
-            self.shutdown()
+            for group in started:
+                group.shutdown()
             raise
-        logger.info("worker group %s: %d ranks of %s, master %s:%s", self._name, world, cls.__name__, addr, port)
+
+    @classmethod
+    def create_many(
+        cls, specs: Sequence[tuple[ResourcePool, RayClassWithInitArgs, Optional[str]]]
+    ) -> list["RayWorkerGroup"]:
+        """Build several groups at once, ``(resource_pool, ray_cls_with_init, name_prefix)`` each; their
+        processes start concurrently (faster than one group after the other). Raises like the constructor."""
+        groups = [cls(pool, cls_with_init, name, _start=False) for pool, cls_with_init, name in specs]
+        cls._start_all(groups)
+        return groups
 
     def spawn(self, prefix_set: Any) -> dict[str, "WorkerGroupView"]:
         """One ``WorkerGroupView`` per role prefix of a group built from ``create_colocated_worker_cls``.

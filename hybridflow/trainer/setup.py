@@ -124,7 +124,8 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
         for name, nodes in pools_spec.items():
             if sharing[name]:
                 pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
-        groups = {role: RayWorkerGroup(pools[mapping[role]], cls, name_prefix=role) for role, cls in roles.items()}
+        created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
+        groups = dict(zip(roles, created))
         pending = {role: group.execute_all_async("init_model", *(() if role == "reward" else (total_steps,)))
                    for role, group in groups.items()}
         for role, refs in pending.items():  # WorkerError names the role and rank of a failed init

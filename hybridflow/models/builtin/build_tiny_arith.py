@@ -38,7 +38,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hybridflow.data.builtin_task import ArithProblem, make_builtin_problems
+from hybridflow.data.builtin_task import DATA_SOURCE, ArithProblem, make_builtin_problems
 
 logger = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def build(
     _portable_tokenizer_class(out)
     tail = losses[-50:] or [float("nan")]
     info = {
-        "task": "hybridflow/arith",
+        "task": DATA_SOURCE,
         "seed": seed,
         "sft_steps": steps,
         "batch_size": batch_size,
@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--correct-fraction", type=float, default=0.35,
                         help="share of SFT responses that are the full correct solution")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (the shipped build used 1)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
