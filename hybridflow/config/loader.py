@@ -9,7 +9,7 @@ together as one ``ConfigError``.
 
 Loading never imports Ray, so a bad config fails in seconds, before Ray starts. Names that live in registries
 or name tables (``NAME_SOURCES``: advantage estimator, policy loss, loss aggregation, KL estimator, rollout
-backend) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout``, only for values that
+backend, rule cost) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout``, only for values that
 differ from the schema defaults.
 """
 
@@ -35,6 +35,10 @@ from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
 CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
+    "algorithm.driver": ("ppo", "remax", "safe_rlhf"),
+    "reward_model.combine": ("sum", "model"),
+    "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "cost_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "data.truncation": ("error", "left", "right", "filter"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -52,6 +56,7 @@ NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a re
     "actor_rollout_ref.actor.kl_loss_type": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
     "algorithm.kl_penalty": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
     "actor_rollout_ref.rollout.name": ("hybridflow.rollout", "get_rollout_class"),
+    "cost_model.rule": ("hybridflow.rewards.cost", "get_cost_fn"),
 }
 
 _POSITIVE = (  # counts that must be >= 1
@@ -64,6 +69,8 @@ _POSITIVE = (  # counts that must be >= 1
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
+    "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
+    "algorithm.lagrangian.episode_cost_window_size",
 )
 _POSITIVE_OR_NONE = ("data.val_batch_size", "trainer.total_training_steps", "trainer.ray_init.num_cpus")
 _POSITIVE_OR_DISABLED = ("trainer.save_freq", "trainer.test_freq")
@@ -85,6 +92,8 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
      lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
+    (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
+    (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
 ]
@@ -331,7 +340,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
         return _batch_problems(get, "critic") if trained else []
 
     checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
-               lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get)]
+               lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
+               lambda: _driver_problems(get), lambda: _score_model_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:
@@ -376,6 +386,39 @@ def _batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
                         f"of {sequences // world} sequences "
                         f"(ppo_mini_batch_size * rollout.n / ranks = {mini} * {n} / {world})")
     return problems
+
+
+def _driver_problems(get: Callable[[str], Any]) -> list[str]:
+    """What each driver needs: remax trains no critic and alone supplies the greedy baseline of the ``remax``
+    estimator; safe_rlhf needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
+    driver, estimator = get("algorithm.driver"), get("algorithm.adv_estimator")
+    critic = _need_critic(get("critic.enable"), estimator)
+    problems = []
+    if estimator == "remax" and driver != "remax":
+        problems.append(f"algorithm.adv_estimator=remax needs algorithm.driver=remax (it generates the greedy "
+                        f"baseline), got algorithm.driver={driver}")
+    if driver == "remax" and critic:
+        problems.append(f"algorithm.driver=remax trains no critic: use a critic-free estimator (remax) and leave "
+                        f"critic.enable unset, got algorithm.adv_estimator={estimator}, "
+                        f"critic.enable={get('critic.enable')}")
+    if driver == "safe_rlhf":
+        if estimator != "gae" or not critic:
+            problems.append(f"algorithm.driver=safe_rlhf uses a reward critic and a cost critic: set "
+                            f"algorithm.adv_estimator=gae and leave critic.enable unset, got "
+                            f"adv_estimator={estimator}, critic.enable={get('critic.enable')}")
+        if get("cost_model.rule") is None and not get("cost_model.enable"):
+            problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
+                            "second_step_subtraction) and/or cost_model.enable=true with cost_model.model.path")
+    lam = "algorithm.lagrangian"
+    lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
+    if lam_max is not None and lam_max < lam_init:
+        problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
+    return problems
+
+
+def _score_model_problems(get: Callable[[str], Any]) -> list[str]:
+    return [f"{role}.enable=true needs {role}.model.path (a local sequence- or token-classification checkpoint)"
+            for role in ("reward_model", "cost_model") if get(f"{role}.enable") and not get(f"{role}.model.path")]
 
 
 def _logger_problems(loggers: Sequence[str]) -> list[str]:

@@ -126,7 +126,20 @@ class KLCtrlConfig:
 
 
 @dataclass
+class LagrangianConfig:
+    # Safe-RLHF (Dai et al. 2023) multiplier lambda of the constraint "mean episode cost <= threshold"
+    threshold: float = 0.0  # cost limit d: the constraint is mean episode cost <= threshold
+    lambda_init: float = 1.0  # initial lambda (> 0; kept as log lambda)
+    lambda_lr: float = 0.1  # ascent step on log lambda per unit of constraint violation, per training step
+    lambda_max: Optional[float] = None  # upper bound on lambda; None means unbounded
+    episode_cost_window_size: int = 128  # the latest N episode costs are averaged for the update
+
+
+@dataclass
 class AlgorithmConfig:
+    # which driver runs the step: ppo (the PPO family: gae, grpo, rloo, reinforce_plus_plus, ...), remax (greedy
+    # baseline, Li et al. 2023) or safe_rlhf (reward + cost critics and a Lagrange multiplier, Dai et al. 2023)
+    driver: str = "ppo"
     adv_estimator: str = "gae"  # advantage-estimator registry name
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
@@ -134,6 +147,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract beta * KL(actor || ref) from the token rewards
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    lagrangian: LagrangianConfig = field(default_factory=LagrangianConfig)  # used by driver safe_rlhf
 
 
 @dataclass
@@ -157,6 +171,19 @@ class RewardConfig:
     reward_manager: str = "naive"  # how scores become token-level rewards
     compute_score: str = "default"  # registered scoring function name
     error_score: Optional[float] = None  # score used when a reward function raises; None stops with an error
+    enable: bool = False  # also score with a reward model (a sequence/token-classification checkpoint)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the reward model's local directory
+    micro_batch_size_per_gpu: int = 16  # sequences per reward-model forward on one rank
+    combine: str = "sum"  # with enable: sum (rule score + model score) | model (model score only)
+
+
+@dataclass
+class CostConfig:
+    # The cost of a response for driver safe_rlhf: a rule cost, a cost model, or their sum.
+    rule: Optional[str] = None  # registered rule-cost name (hybridflow.rewards.cost), e.g. second_step_subtraction
+    enable: bool = False  # also score with a cost model (a sequence/token-classification checkpoint)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the cost model's local directory
+    micro_batch_size_per_gpu: int = 16  # sequences per cost-model forward on one rank
 
 
 @dataclass
@@ -191,8 +218,8 @@ class ResourcePoolConfig:
     # pool name -> ranks per node, e.g. {"global_pool": [2]}; None means one pool "global_pool" with
     # trainer.n_gpus_per_node ranks on each of trainer.nnodes nodes
     pools: Optional[dict[str, list[int]]] = None
-    # role -> pool name for the roles actor (actor+rollout+ref), critic, reward; a role not listed goes to
-    # "global_pool". Roles mapped to the same pool share its devices and take turns (colocation).
+    # role -> pool name for the roles actor (actor+rollout+ref), critic, reward (rule reward and rule cost),
+    # reward_model, cost_model, cost_critic; a role not listed goes to "global_pool". Roles mapped to the same pool share its devices and take turns (colocation).
     mapping: dict[str, str] = field(default_factory=dict)
 
 
@@ -213,6 +240,7 @@ class HybridFlowConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardConfig = field(default_factory=RewardConfig)
+    cost_model: CostConfig = field(default_factory=CostConfig)  # used by driver safe_rlhf
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)

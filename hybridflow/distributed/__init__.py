@@ -1,4 +1,4 @@
-"""SPMD helpers used inside a worker group: process groups, device meshes, FSDP2 wrapping."""
+"""SPMD helpers used inside a worker group: process groups, device meshes, FSDP2 wrapping, tensor parallel."""
 
 from hybridflow.distributed.fsdp import (
     apply_fsdp2,
@@ -17,11 +17,13 @@ from hybridflow.distributed.init import (
     init_distributed,
     resolve_dtype,
 )
+from hybridflow.distributed.tp import apply_tp, parallelize_model
 
 __all__ = [
     "all_reduce_mean",
     "all_reduce_sum",
     "apply_fsdp2",
+    "apply_tp",
     "build_mesh",
     "clip_grad_norm",
     "get_device_name",
@@ -31,5 +33,6 @@ __all__ = [
     "offload_optimizer",
     "onload_module",
     "onload_optimizer",
+    "parallelize_model",
     "resolve_dtype",
 ]

@@ -39,13 +39,23 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     """Clip the global gradient norm (across all shards) to ``max_norm``; returns the pre-clip norm.
 
     A non-finite norm is returned as is and the gradients are left untouched, so the caller can skip the step.
+    With tensor parallelism the gradients live on two meshes (2-D ``(dp, tp)`` for split weights, 1-D ``dp`` for
+    replicated ones); each group's norm is reduced on its own mesh, then the groups are combined.
     """
-    params = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = []
+    for params in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return 0.0
+    norm = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
     if torch.isfinite(norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
 
 

@@ -1,6 +1,7 @@
 """Generation backends behind one interface (:class:`BaseRollout`), looked up by name.
 
-``hf`` (default, CPU-capable, KV cache) is registered on import of this package.
+``hf`` (default, CPU-capable, KV cache) and ``vllm`` are registered on import of this package; importing it
+never imports vLLM (the ``vllm`` backend imports it when an engine is built).
 """
 
 from hybridflow.rollout.base import (
@@ -11,11 +12,13 @@ from hybridflow.rollout.base import (
     registered_rollouts,
 )
 from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.vllm_rollout import VLLMRollout
 
 __all__ = [
     "BaseRollout",
     "HFRollout",
     "RolloutAsleepError",
+    "VLLMRollout",
     "get_rollout_class",
     "register_rollout",
     "registered_rollouts",

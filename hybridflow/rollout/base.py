@@ -3,7 +3,10 @@
 A rollout backend turns a batch of left-padded prompts into prompt + response sequences. The actor
 worker owns one backend and drives it through a small lifecycle:
 
-1. construct it (model, sampling config, special token ids);
+1. construct it (model, sampling config, special token ids); the actor worker does this through
+   :meth:`BaseRollout.from_config`, which every backend accepts, and hands it a Hugging Face module only
+   when the class sets ``needs_module`` (a backend with its own engine, such as ``vllm``, loads the
+   checkpoint from the model path itself);
 2. ``load_weights(...)`` whenever the trainer's parameters changed (after each optimizer step, or after
    a ``wake()`` from a sleep that discarded weights);
 3. ``generate_sequences(prompts)`` any number of times while awake;
@@ -17,7 +20,7 @@ Backends register under a name with :func:`register_rollout` and are looked up w
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -39,6 +42,39 @@ class RolloutAsleepError(RuntimeError):
 
 class BaseRollout(abc.ABC):
     """A generation backend: prompts in, prompt + response sequences out (see the module lifecycle)."""
+
+    needs_module: ClassVar[bool] = True  # from_config wants a loaded Hugging Face module
+
+    @classmethod
+    def from_config(
+        cls,
+        model_path: str,
+        module: Optional[torch.nn.Module],
+        config: Any,
+        eos_token_id: Union[int, Sequence[int]],
+        pad_token_id: int,
+        **options: Any,
+    ) -> "BaseRollout":
+        """Build the backend the way the actor worker does, the same call for every backend.
+
+        Args:
+            model_path: the checkpoint directory (or ``builtin:NAME``) the actor was loaded from.
+            module: a freshly loaded Hugging Face causal LM on the rollout device when ``cls.needs_module``,
+                else None.
+            config: attribute-access sampling config (see the backend's class docstring).
+            eos_token_id: id or ids that end a response.
+            pad_token_id: id written to response slots after a row's end.
+            options: engine options (``dtype``, ``trust_remote_code``, ``max_model_len``, ...); a backend
+                ignores those it does not use.
+
+        The default passes ``module`` to the constructor: ``cls(module, config, eos_token_id, pad_token_id)``.
+
+        Raises:
+            ValueError: ``cls.needs_module`` and ``module`` is None.
+        """
+        if module is None:
+            raise ValueError(f"{cls.__name__} needs a loaded model; from_config got module=None")
+        return cls(module, config, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     @abc.abstractmethod
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -21,22 +21,11 @@ from transformers import DynamicCache
 
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
+from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["HFRollout"]
-
-_PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
-_SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "n", "response_length")
-
-
-def _as_id_list(ids: Union[int, Sequence[int], None]) -> list[int]:
-    """Normalize an int, a sequence of ints or None to a list of ints."""
-    if ids is None:
-        return []
-    if isinstance(ids, int):
-        return [ids]
-    return [int(i) for i in ids]
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -144,7 +133,7 @@ class HFRollout(BaseRollout):
     ) -> None:
         self.module = module
         self.config = config
-        self.eos_token_ids = _as_id_list(eos_token_id)
+        self.eos_token_ids = as_id_list(eos_token_id)
         self.pad_token_id = int(pad_token_id)
         if not self.eos_token_ids:
             raise ValueError("HFRollout needs at least one eos_token_id, got none")
@@ -181,16 +170,16 @@ class HFRollout(BaseRollout):
             ValueError: prompt tensors of different shapes, or invalid sampling parameters.
         """
         self._check_ready()
-        params = self._sampling_params(prompts.meta_info)
-        input_ids, attention_mask, position_ids = self._prompt_tensors(prompts)
+        params = resolve_sampling_params(self.config, prompts.meta_info)
+        input_ids, attention_mask, position_ids = prompt_tensors(prompts)
         out_device = input_ids.device
-        n, response_length = params["n"], params["response_length"]
+        n = params["n"]
         if n > 1:
             input_ids, attention_mask, position_ids = (
                 t.repeat_interleave(n, dim=0) for t in (input_ids, attention_mask, position_ids)
             )
         eos_ids = torch.tensor(
-            sorted(set(self.eos_token_ids + _as_id_list(prompts.meta_info.get("eos_token_id")))),
+            sorted(set(self.eos_token_ids + as_id_list(prompts.meta_info.get("eos_token_id")))),
             device=self._device,
         )
         generator = None
@@ -218,22 +207,11 @@ class HFRollout(BaseRollout):
         seconds = time.perf_counter() - start
         responses, response_mask, log_probs = (torch.cat(parts).to(out_device) for parts in zip(*chunks))
 
-        last_position = position_ids[:, -1:]
-        steps = torch.arange(1, response_length + 1, device=out_device, dtype=position_ids.dtype)
-        tensors = {
-            "prompts": input_ids,
-            "responses": responses,
-            "input_ids": torch.cat([input_ids, responses], dim=1),
-            "attention_mask": torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1),
-            "position_ids": torch.cat([position_ids, last_position + steps], dim=1),
-            "response_mask": response_mask,
-            "rollout_log_probs": log_probs,
-        }
-        num_tokens = int(response_mask.sum())
-        logger.debug("hf rollout: %d rows, %d tokens in %.3fs", input_ids.shape[0], num_tokens, seconds)
-        return DataProto.from_dict(
-            tensors=tensors, meta_info={"num_generated_tokens": num_tokens, "generate_seconds": seconds}
+        out = build_rollout_output(
+            input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds
         )
+        logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"], seconds)
+        return out
 
     @torch.no_grad()
     def _decode(
@@ -282,41 +260,6 @@ class HFRollout(BaseRollout):
         del cache
         response_mask = (torch.arange(length, device=input_ids.device) < lengths.unsqueeze(-1)).long()
         return responses, response_mask, log_probs
-
-    def _sampling_params(self, meta_info: dict[str, Any]) -> dict[str, Any]:
-        """Config values overridden by ``meta_info``, validated."""
-        params = {key: meta_info.get(key, getattr(self.config, key)) for key in _SAMPLING_KEYS}
-        params["do_sample"] = bool(params["do_sample"])
-        params["temperature"] = float(params["temperature"])
-        params["top_p"] = float(params["top_p"])
-        params["top_k"] = int(params["top_k"])
-        params["n"] = int(params["n"])
-        params["response_length"] = int(params["response_length"])
-        problems = []
-        if params["n"] < 1:
-            problems.append(f"n must be >= 1, got {params['n']}")
-        if params["response_length"] < 1:
-            problems.append(f"response_length must be >= 1, got {params['response_length']}")
-        if params["temperature"] < 0:
-            problems.append(f"temperature must be >= 0, got {params['temperature']}")
-        if not 0.0 < params["top_p"] <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {params['top_p']}")
-        if params["top_k"] == 0 or params["top_k"] < -1:
-            problems.append(f"top_k must be -1 (off) or >= 1, got {params['top_k']}")
-        if problems:
-            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
-        return params
-
-    @staticmethod
-    def _prompt_tensors(prompts: DataProto) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        missing = [key for key in _PROMPT_KEYS if key not in prompts.batch.keys()]
-        if missing:
-            raise KeyError(f"generate_sequences needs prompt tensors {list(_PROMPT_KEYS)}; missing {missing}")
-        input_ids, attention_mask, position_ids = (prompts.batch[key] for key in _PROMPT_KEYS)
-        shapes = {key: tuple(prompts.batch[key].shape) for key in _PROMPT_KEYS}
-        if len(set(shapes.values())) != 1 or input_ids.dim() != 2:
-            raise ValueError(f"prompt tensors must all be (B, P); got shapes {shapes}")
-        return input_ids, attention_mask, position_ids
 
     # ------------------------------------------------------------------ weights and memory
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

