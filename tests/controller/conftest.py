@@ -1,20 +1,8 @@
-"""One local Ray session (CPU only) shared by every controller test, plus a shared 2-bundle resource pool."""
+"""A shared 2-bundle resource pool on the session's Ray (``ray_session`` lives in tests/conftest.py)."""
 
 import pytest
-import ray
 
 from hybridflow.controller import ResourcePool
-
-
-@pytest.fixture(scope="session")
-def ray_session():
-    """A local Ray with 4 logical CPUs; started once (startup takes seconds) and shut down at the end."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

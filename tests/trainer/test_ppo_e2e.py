@@ -19,7 +19,7 @@ def _read_metrics(path):
         return [json.loads(line) for line in f]
 
 
-def test_ppo_steps_through_ray(tmp_path):
+def test_ppo_steps_through_ray(tmp_path, ray_session):
     out = tmp_path / "run"
     cfg = load_config(
         "quickstart",

@@ -7,8 +7,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -24,6 +26,18 @@ def _free_port() -> int:
 
 def _ray() -> str:
     return shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+
+
+def _stop_cluster(temp_dir: str) -> None:
+    """Stop only the cluster this test started: every process whose command line names its temp dir
+    (`ray stop` would stop every Ray cluster on the machine, including other sessions')."""
+    procs = [p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])]
+    for proc in procs:
+        proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for proc in alive:
+        proc.kill()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_ray_job_submit_to_existing_cluster(tmp_path):
@@ -43,12 +57,15 @@ def test_ray_job_submit_to_existing_cluster(tmp_path):
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
                   f"trainer.default_local_dir={out}"]
-        result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+        for _ in range(30):  # the head's job agent comes up a few seconds after `ray start` returns
+            result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
+            if "No available agent" not in result.stderr + result.stdout:
+                break
+            time.sleep(2)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "succeeded" in result.stdout.lower()
         assert "Started a local Ray instance" not in result.stdout  # it joined the existing cluster
         lines = (out / "metrics.jsonl").read_text().splitlines()
         assert len(lines) == 2
     finally:
-        subprocess.run([_ray(), "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        _stop_cluster(temp_dir)

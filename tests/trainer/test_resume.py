@@ -4,7 +4,6 @@ mid-epoch, the second at an epoch boundary): identical metrics and bit-identical
 import json
 
 import pytest
-import ray
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -21,13 +20,6 @@ COMMON = [
     "actor_rollout_ref.model.path=/tmp/tiny", "trainer.test_freq=2", "trainer.save_freq=1", "trainer.logger=[jsonl]", "algorithm.kl_ctrl.type=adaptive",
 ]
 VOLATILE = ("timing", "perf/throughput")
-
-
-@pytest.fixture(scope="module")
-def shared_ray():
-    ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def _run(out, steps):
@@ -51,7 +43,7 @@ def _weights(ckpt_dir, tmp_path, name):
     return torch.load(target, weights_only=False)
 
 
-def test_resume_is_exact(tmp_path, shared_ray):
+def test_resume_is_exact(tmp_path, ray_session):
     full, parts = tmp_path / "full", tmp_path / "parts"
     _run(full, 4)
     for steps in (1, 2, 4):  # resume at step 1 (mid-epoch) and at step 2 (epoch boundary)
