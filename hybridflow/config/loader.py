@@ -9,8 +9,8 @@ together as one ``ConfigError``.
 
 Loading never imports Ray, so a bad config fails in seconds, before Ray starts. Names that live in registries
 or name tables (``NAME_SOURCES``: advantage estimator, policy loss, loss aggregation, KL estimator, rollout
-backend, rule cost) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout``, only for values that
-differ from the schema defaults.
+backend, rule cost) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout`` /
+``hybridflow.rewards.cost``, only for values that differ from the schema defaults.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ _POSITIVE = (  # counts that must be >= 1
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.micro_batch_size_per_gpu", "actor_rollout_ref.rollout.val_kwargs.n",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.tensor_model_parallel_size", "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
@@ -341,7 +343,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
 
     checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
                lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
-               lambda: _driver_problems(get), lambda: _score_model_problems(get)]
+               lambda: _driver_problems(get), lambda: _score_model_problems(get),
+               lambda: _parallel_layout_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:
@@ -388,6 +391,27 @@ def _batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
     return problems
 
 
+def _parallel_layout_problems(get: Callable[[str], Any]) -> list[str]:
+    """The actor's training layout (dp x tp) and generation layout (dp_g x tp_g) on the actor's ranks: both tp
+    sizes divide the ranks, and one divides the other (the 3D-HybridEngine's micro data-parallel grouping)."""
+    tp, tp_g = (get(f"actor_rollout_ref.{r}.tensor_model_parallel_size") for r in ("actor", "rollout"))
+    if min(tp, tp_g) < 1:
+        return []  # reported by the value rules
+    pools, mapping = get("resource_pool.pools"), get("resource_pool.mapping")
+    pool = mapping.get("actor", "global_pool") if mapping else "global_pool"
+    if pools and pool in pools:
+        world, where = sum(pools[pool]), f"the {sum(pools[pool])} ranks of resource pool {pool!r}"
+    else:
+        world = get("trainer.n_gpus_per_node") * get("trainer.nnodes")
+        where = f"the {world} actor ranks (trainer.n_gpus_per_node * trainer.nnodes)"
+    problems = [f"actor_rollout_ref.{r}.tensor_model_parallel_size ({size}) must divide {where}"
+                for r, size in (("actor", tp), ("rollout", tp_g)) if world % size]
+    if tp % tp_g and tp_g % tp:
+        problems.append(f"actor_rollout_ref.actor.tensor_model_parallel_size ({tp}) and "
+                        f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp_g}) must divide one another")
+    return problems
+
+
 def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     """What each driver needs: remax trains no critic and alone supplies the greedy baseline of the ``remax``
     estimator; safe_rlhf needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
@@ -408,7 +432,7 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
                             f"adv_estimator={estimator}, critic.enable={get('critic.enable')}")
         if get("cost_model.rule") is None and not get("cost_model.enable"):
             problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
-                            "second_step_subtraction) and/or cost_model.enable=true with cost_model.model.path")
+                            "subtraction_before_last_step) and/or cost_model.enable=true with cost_model.model.path")
     lam = "algorithm.lagrangian"
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:

@@ -60,6 +60,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: str = "low_var_kl"  # kl estimator for the KL loss: kl | abs | mse | low_var_kl
     grad_clip: float = 1.0  # max global grad norm
+    # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
+    tensor_model_parallel_size: int = 1
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -83,6 +85,8 @@ class RolloutConfig:
     top_k: int = -1  # -1 disables top-k
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
     micro_batch_size_per_gpu: int = 64  # prompts per generate() call on one rank
+    tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
+    update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
     # with these settings and logs val/mean@<n>
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
@@ -180,7 +184,7 @@ class RewardConfig:
 @dataclass
 class CostConfig:
     # The cost of a response for driver safe_rlhf: a rule cost, a cost model, or their sum.
-    rule: Optional[str] = None  # registered rule-cost name (hybridflow.rewards.cost), e.g. second_step_subtraction
+    rule: Optional[str] = None  # registered rule-cost name (hybridflow.rewards.cost), e.g. subtraction_before_last_step
     enable: bool = False  # also score with a cost model (a sequence/token-classification checkpoint)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the cost model's local directory
     micro_batch_size_per_gpu: int = 16  # sequences per cost-model forward on one rank
@@ -219,7 +223,8 @@ class ResourcePoolConfig:
     # trainer.n_gpus_per_node ranks on each of trainer.nnodes nodes
     pools: Optional[dict[str, list[int]]] = None
     # role -> pool name for the roles actor (actor+rollout+ref), critic, reward (rule reward and rule cost),
-    # reward_model, cost_model, cost_critic; a role not listed goes to "global_pool". Roles mapped to the same pool share its devices and take turns (colocation).
+    # reward_model, cost_model, cost_critic; a role not listed goes to "global_pool". Roles mapped to the same
+    # pool share its devices and take turns (colocation).
     mapping: dict[str, str] = field(default_factory=dict)
 
 
@@ -240,8 +245,8 @@ class HybridFlowConfig:
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardConfig = field(default_factory=RewardConfig)
-    cost_model: CostConfig = field(default_factory=CostConfig)  # used by driver safe_rlhf
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
     layouts: ParallelLayoutConfig = field(default_factory=ParallelLayoutConfig)  # written by `hybridflow plan`
+    cost_model: CostConfig = field(default_factory=CostConfig)  # the cost of driver safe_rlhf

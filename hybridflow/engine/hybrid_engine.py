@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from hybridflow.distributed.fsdp import offload_module, offload_optimizer, onload_module, onload_optimizer
 from hybridflow.distributed.tp import tp_dims
-from hybridflow.engine.plan import Layout, ReshardPlan, build_reshard_plan, local_slices
+from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, build_reshard_plan, is_contiguous_region,
+                                    local_slices)
 from hybridflow.engine.tp_model import TPGroup, build_tp_generation_model
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ class HybridEngine:
             single rank).
         mesh: the training DeviceMesh, ``("dp",)`` or ``("dp", "tp")``, over all ranks of the default group.
         gen_tp: tp_g, the generation tensor-parallel size (dp_g = world / tp_g).
-        bucket_bytes: bound on the bytes one rank sends plus receives per bucket (one weight larger than
-            that is sent alone).
+        bucket_bytes: bound on the bytes one rank sends plus receives per bucket (larger transfers are cut
+            into row ranges; see :meth:`ReshardPlan.buckets`). Peak extra memory of a switch: the newly
+            allocated generation shard plus at most one bucket of packed send/receive buffers.
         optimizer: the training optimizer, offloaded with ``optimizer_offload``.
         param_offload / optimizer_offload: move training parameters (and grads) / optimizer state to host
             memory while generating.
@@ -102,14 +104,14 @@ class HybridEngine:
             raise RuntimeError(
                 f"generation model and training model name their weights differently: only in generation "
                 f"{sorted(set(self._skeleton) - set(params))[:3]}, only in training {sorted(set(params) - set(self._skeleton))[:3]}")
+        # every (module, attribute) a weight is registered under: tied weights have several
+        canonical = {id(p): name for name, p in self._skeleton.items()}
         self._aliases: dict[str, list[tuple[torch.nn.Module, str]]] = {}
-        for name, _ in self.module.named_parameters(remove_duplicate=False):
+        for name, param in self.module.named_parameters(remove_duplicate=False):
             owner, _, leaf = name.rpartition(".")
-            canonical = next(n for n, p in self._skeleton.items() if p is self.module.get_parameter(name))
-            self._aliases.setdefault(canonical, []).append((self.module.get_submodule(owner), leaf))
+            self._aliases.setdefault(canonical[id(param)], []).append((self.module.get_submodule(owner), leaf))
         self._ready = False
         self._offloaded = False
-        self.last_switch_s = 0.0
 
     # ------------------------------------------------------------------ layout
     @property
@@ -161,8 +163,7 @@ class HybridEngine:
         self._ready = True
         if self.param_offload or self.optimizer_offload:
             self.offload_training_state()
-        self.last_switch_s = time.perf_counter() - start
-        logger.debug("rank %d: switched to generation in %.3fs", self.rank, self.last_switch_s)
+        logger.debug("rank %d: switched to generation in %.3fs", self.rank, time.perf_counter() - start)
         return self.module
 
     def switch_to_training(self) -> None:
@@ -173,6 +174,24 @@ class HybridEngine:
                     owner._parameters[leaf] = param
             self._ready = False
         self.onload_training_state()
+
+    def check_lockstep(self, tokens: torch.Tensor) -> None:
+        """Check that every rank of this generation tp group produced the same ``tokens`` (e.g. responses
+        (N, R) long); one small all-reduce.
+
+        Raises:
+            RuntimeError: the peers' tokens differ (their decode loops diverged).
+        """
+        if self.tp.size == 1:
+            return
+        flat = tokens.reshape(-1).to(device=self.device, dtype=torch.int64)
+        position = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=self.device)
+        digest = torch.stack([flat.sum(), (flat * position).sum(), torch.tensor(flat.numel(), device=self.device)])
+        bounds = torch.cat([digest, -digest])
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.tp.group)
+        if not torch.equal(bounds[:3], -bounds[3:]):
+            raise RuntimeError(f"rank {self.rank}: the generation tp group (dp_g rank {self.gen_dp_rank}) produced "
+                               "different tokens on different ranks; its decode loops are out of lockstep")
 
     def offload_training_state(self) -> None:
         """Move training parameters and grads (``param_offload``) and optimizer state (``optimizer_offload``)
@@ -206,44 +225,53 @@ class HybridEngine:
             local[p.name] = tensor
         return local
 
-    def _transfer(self, bucket: tuple[int, ...], local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:
-        """Build the generation shards of the weights in ``bucket``: post all receives and sends of this rank
-        (one packed buffer per peer and direction), copy the local overlap meanwhile, then unpack."""
+    def _transfer(self, bucket: Bucket, local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:
+        """Run one bucket: allocate (or alias) the generation shards it starts, post this rank's sends and
+        receives, copy the local overlap meanwhile, then unpack.
+
+        Messages from one rank to another, in order: one per transfer whose region is contiguous in the
+        receiver's shard (received in place), then one packed buffer with the rest (the plan decides which is
+        which, so both sides agree)."""
         me = self.rank
-        sends: dict[int, list] = {}
-        recvs: dict[int, list] = {}
+        direct_sends, direct_recvs, packed_sends, packed_recvs = [], [], {}, {}
         local_copies = []
-        for index in bucket:
+        for index, transfers in bucket:
             p = self.plan.params[index]
-            src_tensor = local[p.name]
-            for tr in p.transfers:  # the same order as the receiver's unpacking: bucket order, then plan order
+            source = local[p.name]
+            if p.name not in gen:
+                if p.aliased(me) and not self.param_offload:  # a view of the training shard: nothing to copy
+                    gen[p.name] = source[local_slices(p.gen_boxes[me], p.train_boxes[me])]
+                else:
+                    gen[p.name] = torch.empty(p.gen_shape(me), dtype=source.dtype, device=source.device)
+            in_place = p.aliased(me) and not self.param_offload
+            for tr in transfers:  # bucket order, then plan order: the same on sender and receiver
+                direct = is_contiguous_region(tr.region, p.gen_boxes[tr.dst])
                 if tr.src == me and tr.dst != me:
-                    sends.setdefault(tr.dst, []).append(src_tensor[local_slices(tr.region, p.train_boxes[me])])
-            if p.aliased(me) and not self.param_offload:
-                gen[p.name] = src_tensor  # the generation shard is the training shard: used in place
-                continue
-            gen[p.name] = torch.empty(p.gen_shape(me), dtype=src_tensor.dtype, device=src_tensor.device)
-            for tr in p.transfers:
-                if tr.dst == me:
+                    piece = source[local_slices(tr.region, p.train_boxes[me])]
+                    if direct:
+                        direct_sends.append((piece.contiguous(), tr.dst))
+                    else:
+                        packed_sends.setdefault(tr.dst, []).append(piece)
+                elif tr.dst == me and not in_place:
                     target = gen[p.name][local_slices(tr.region, p.gen_boxes[me])]
                     if tr.src == me:
-                        local_copies.append((target, src_tensor[local_slices(tr.region, p.train_boxes[me])]))
+                        local_copies.append((target, source[local_slices(tr.region, p.train_boxes[me])]))
+                    elif direct:
+                        direct_recvs.append((target, tr.src))
                     else:
-                        recvs.setdefault(tr.src, []).append(target)
-        ops, recv_buffers = [], {}
-        for peer, pieces in sends.items():
-            buffer = _pack(pieces)
-            ops.append(dist.P2POp(dist.isend, buffer, peer))
-        for peer, targets in recvs.items():
-            recv_buffers[peer] = torch.empty(sum(t.numel() for t in targets), dtype=targets[0].dtype,
-                                             device=targets[0].device)
-            ops.append(dist.P2POp(dist.irecv, recv_buffers[peer], peer))
+                        packed_recvs.setdefault(tr.src, []).append(target)
+        ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in direct_sends]
+        ops += [dist.P2POp(dist.irecv, tensor, peer) for tensor, peer in direct_recvs]
+        ops += [dist.P2POp(dist.isend, _pack(pieces), peer) for peer, pieces in packed_sends.items()]
+        recv_buffers = {peer: torch.empty(sum(t.numel() for t in targets), dtype=targets[0].dtype,
+                                          device=targets[0].device) for peer, targets in packed_recvs.items()}
+        ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, buffer in recv_buffers.items()]
         requests = dist.batch_isend_irecv(ops) if ops else []
         for target, source in local_copies:
             target.copy_(source)
         for request in requests:
             request.wait()
-        for peer, targets in recvs.items():
+        for peer, targets in packed_recvs.items():
             _unpack(recv_buffers.pop(peer), targets)
 
 

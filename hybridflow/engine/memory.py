@@ -39,8 +39,11 @@ class TensorMemoryTracker(TorchDispatchMode):
         return out
 
     def _track(self, tensor: torch.Tensor, fresh: bool) -> None:
-        storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
+        try:
+            storage = tensor.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except RuntimeError:  # a wrapper subclass without storage (e.g. an async collective's result)
+            return
         if not key or not nbytes:
             return
         entry = self._refs.get(key)

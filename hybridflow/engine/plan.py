@@ -19,8 +19,8 @@ Layouts (HybridFlow, Sheng et al. 2024, Sec. 5, "optimized parallel grouping"):
   their FSDP pieces line up with their generation sub-chunks.
 
 Each rank then receives, for every weight, the intersections of its generation box with the training boxes
-of other ranks (a rank's own overlap is a local copy; a generation box equal to the rank's own training box
-needs no copy at all). The ranks a rank receives from form its micro data-parallel group
+of other ranks (a rank's own overlap is a local copy; a generation box that is a contiguous part of the rank's
+own training box needs no copy at all: it is used in place). The ranks a rank receives from form its micro data-parallel group
 (:meth:`ReshardPlan.micro_dp_group`); nothing is gathered from outside it, and only ``tp_g = 1`` makes a rank
 hold a full copy of the model.
 
@@ -35,6 +35,7 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "Box",
+    "Bucket",
     "Layout",
     "ParamPlan",
     "ReshardPlan",
@@ -119,6 +120,19 @@ def local_slices(region: Box, within: Box) -> tuple[slice, ...]:
     return tuple(slice(s - w0, e - w0) for (s, e), (w0, _) in zip(region, within))
 
 
+def is_contiguous_region(region: Box, within: Box) -> bool:
+    """Whether ``region`` is one contiguous range of a row-major tensor holding the box ``within``: leading
+    dims of extent 1, then one partial dim, then only full dims."""
+    full_after = True
+    for d in reversed(range(len(region))):
+        (s, e), (w0, w1) = region[d], within[d]
+        if not full_after and e - s != 1:
+            return False
+        if (s, e) != (w0, w1):
+            full_after = False
+    return True
+
+
 @dataclass(frozen=True)
 class Transfer:
     """``region`` (a box of the full tensor) goes from training rank ``src`` to generation rank ``dst``
@@ -131,6 +145,9 @@ class Transfer:
     @property
     def numel(self) -> int:
         return box_numel(self.region)
+
+
+Bucket = tuple[tuple[int, tuple[Transfer, ...]], ...]  # (parameter index, its transfers in this bucket)
 
 
 @dataclass(frozen=True)
@@ -149,8 +166,11 @@ class ParamPlan:
     itemsize: int = 4
 
     def aliased(self, rank: int) -> bool:
-        """Whether rank's generation shard IS its training shard (no copy, no memory)."""
-        return self.gen_boxes[rank] == self.train_boxes[rank]
+        """Whether rank's generation shard is a contiguous part of its own training shard, so it can be used
+        in place (a view: no copy, no memory)."""
+        gen, train = self.gen_boxes[rank], self.train_boxes[rank]
+        inside = all(t0 <= g0 and g1 <= t1 for (g0, g1), (t0, t1) in zip(gen, train))
+        return inside and is_contiguous_region(gen, train)
 
     def gen_shape(self, rank: int) -> tuple[int, ...]:
         return tuple(e - s for s, e in self.gen_boxes[rank])
@@ -207,25 +227,29 @@ class ReshardPlan:
     def model_bytes(self) -> int:
         return sum(math.prod(p.shape) * p.itemsize for p in self.params)
 
-    def buckets(self, bucket_bytes: int) -> list[tuple[int, ...]]:
-        """Consecutive parameter indices grouped so that on every rank the bytes sent plus received in one
-        bucket stay within ``bucket_bytes`` (a weight larger than that is a bucket of its own)."""
-        buckets: list[tuple[int, ...]] = []
-        current: list[int] = []
-        load = [0] * self.train.world_size
+    def buckets(self, bucket_bytes: int) -> list[Bucket]:
+        """The transfers grouped into buckets, in parameter order: on every rank the bytes sent plus received
+        within one bucket stay <= ``bucket_bytes`` (a transfer is cut into row ranges to fit; only a single row
+        larger than the bucket exceeds it). Local copies cost nothing and ride along. A bucket lists
+        ``(parameter index, transfers)`` pairs, the same on every rank."""
+        world = self.train.world_size
+        buckets: list[Bucket] = []
+        current: dict[int, list[Transfer]] = {}
+        load = [0] * world
         for i, p in enumerate(self.params):
-            cost = [0] * self.train.world_size
             for tr in p.transfers:
-                if tr.src != tr.dst:
-                    cost[tr.src] += tr.numel * p.itemsize
-                    cost[tr.dst] += tr.numel * p.itemsize
-            if current and max(a + c for a, c in zip(load, cost)) > bucket_bytes:
-                buckets.append(tuple(current))
-                current, load = [], [0] * self.train.world_size
-            current.append(i)
-            load = [a + c for a, c in zip(load, cost)]
+                pieces = [tr] if tr.src == tr.dst else _split_rows(tr, max(1, bucket_bytes // p.itemsize))
+                for piece in pieces:
+                    cost = 0 if piece.src == piece.dst else piece.numel * p.itemsize
+                    if cost and current and max(load[piece.src], load[piece.dst]) + cost > bucket_bytes:
+                        buckets.append(tuple((k, tuple(v)) for k, v in current.items()))
+                        current, load = {}, [0] * world
+                    current.setdefault(i, []).append(piece)
+                    if cost:
+                        load[piece.src] += cost
+                        load[piece.dst] += cost
         if current:
-            buckets.append(tuple(current))
+            buckets.append(tuple((k, tuple(v)) for k, v in current.items()))
         return buckets
 
     def summary(self) -> dict:
@@ -242,6 +266,13 @@ class ReshardPlan:
                 for r in range(self.train.world_size)
             ],
         }
+
+
+def _split_rows(tr: Transfer, max_numel: int) -> list[Transfer]:
+    """``tr`` cut along dim 0 into pieces of at most ``max_numel`` elements (at least one row each)."""
+    (start, stop), rest = tr.region[0], tr.region[1:]
+    rows = max(1, max_numel // max(1, box_numel(rest)))
+    return [Transfer(tr.src, tr.dst, ((a, min(a + rows, stop)), *rest)) for a in range(start, stop, rows)]
 
 
 def _train_box(shape: Sequence[int], dim: Optional[int], layout: Layout, rank: int) -> Box:

@@ -56,7 +56,8 @@ class TPGroup:
 
 
 class RowParallelLinear(torch.nn.Linear):
-    """``y = all_reduce(x_local @ W_local^T) + b``; ``W_local``: the input-feature slice of this rank."""
+    """``y = all_reduce(x_local @ W_local^T) + b``: x_local (.., in/tp) this rank's input slice, W_local
+    (out, in/tp), y (.., out) the same on every rank."""
 
     tp: TPGroup
 
@@ -66,8 +67,9 @@ class RowParallelLinear(torch.nn.Linear):
 
 
 class VocabParallelEmbedding(torch.nn.Embedding):
-    """Embedding over the vocabulary rows ``[vocab_start, vocab_start + rows)``; ids elsewhere give zeros on this
-    rank and their row from the rank that holds it (all-reduce, exact: one non-zero term per id)."""
+    """Embedding over the vocabulary rows ``[vocab_start, vocab_start + rows)``: ids (B, T) long -> (B, T, H);
+    ids elsewhere give zeros on this rank and their row from the rank that holds it (all-reduce, exact: one
+    non-zero term per id)."""
 
     tp: TPGroup
     vocab_start: int
@@ -80,7 +82,7 @@ class VocabParallelEmbedding(torch.nn.Embedding):
 
 
 class VocabParallelLMHead(torch.nn.Linear):
-    """Logits of this rank's vocabulary rows, all-gathered into the full (.., V) logits."""
+    """Logits of this rank's vocabulary rows (.., V/tp), all-gathered into the full (.., V) logits."""
 
     tp: TPGroup
 

@@ -6,12 +6,14 @@ key ``cost_model.rule`` selects one for every row (costs do not depend on ``data
 
 Built in:
 
-- ``second_step_subtraction``: 1.0 when a worked answer subtracts after its first equation line, else 0.0.
-  It is the built-in task's "forbidden pattern": on that task the tiny model answers either with one equation
-  line (the shortcut, usually wrong) or with two (the full solution, right), and the second line subtracts for
-  half the problems (second operation ``-``: "... gives 3 away", "... then 2 leave"). About 17% of the shipped
-  model's sampled answers carry it. It competes with the reward only on those problems: a policy that solves
-  the ``+`` problems fully and stops after one line on the ``-`` ones keeps most of the reward at zero cost.
+- ``subtraction_before_last_step``: 1.0 when an equation line that subtracts is followed by another equation
+  line (the working subtracts and then keeps going), else 0.0. It is the built-in task's "forbidden pattern":
+  on that task the tiny model answers either with one equation line (the shortcut, usually wrong) or with two
+  (the full solution, right), and the first line subtracts for half the problems ("... gives 3 away and then
+  ..."), so about 17% of the shipped model's sampled answers carry the cost. It competes with the reward on
+  those problems only: a policy that solves the problems starting with an addition fully and stops after a
+  first-line subtraction keeps half of the reward at zero cost. The decision it has to learn is taken right
+  after the subtraction it has just written.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ def get_cost_fn(name: str) -> CostFn:
     return COSTS.get(name)
 
 
-@register_cost("second_step_subtraction")
-def second_step_subtraction(solution_str: str, ground_truth: str = "", extra_info: Any = None) -> float:
-    """1.0 if an equation line after the first one (a line with ``=``) contains a subtraction ``a - b``."""
+@register_cost("subtraction_before_last_step")
+def subtraction_before_last_step(solution_str: str, ground_truth: str = "", extra_info: Any = None) -> float:
+    """1.0 if an equation line (a line with ``=``) that contains a subtraction ``a - b`` is not the last one."""
     equations = [line for line in solution_str.splitlines() if "=" in line]
-    return float(any(_SUBTRACTION.search(line) for line in equations[1:]))
+    return float(any(_SUBTRACTION.search(line) for line in equations[:-1]))
 
 
-__all__ = ["COSTS", "CostFn", "get_cost_fn", "register_cost", "second_step_subtraction"]
+__all__ = ["COSTS", "CostFn", "get_cost_fn", "register_cost", "subtraction_before_last_step"]

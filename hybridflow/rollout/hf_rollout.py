@@ -210,7 +210,8 @@ class HFRollout(BaseRollout):
         out = build_rollout_output(
             input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds
         )
-        logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"], seconds)
+        logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"],
+                     seconds)
         return out
 
     @torch.no_grad()

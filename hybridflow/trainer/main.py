@@ -1,20 +1,33 @@
-"""Entry point of ``hybridflow train``: start (or join) Ray, build data and worker groups, run the PPO driver."""
+"""Entry point of ``hybridflow train``: start (or join) Ray, build data and worker groups, run the driver named by
+``algorithm.driver`` (``DRIVERS``: ppo, remax, safe_rlhf)."""
 
 from __future__ import annotations
 
 import logging
 import os
 
-from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.remax import ReMaxTrainer
+from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
+from hybridflow.trainer.scoring import build_cost, build_reward
+from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
 
+# algorithm.driver -> builder(config, groups, tracker) of an object with fit(train_batches, val_data, total_steps)
+DRIVERS = {
+    "ppo": lambda cfg, g, tracker: PPOTrainer(cfg, g["actor"], g.get("critic"), build_reward(g, cfg), tracker),
+    "remax": lambda cfg, g, tracker: ReMaxTrainer(cfg, g["actor"], build_reward(g, cfg), tracker),
+    "safe_rlhf": lambda cfg, g, tracker: SafeRLHFTrainer(cfg, g["actor"], g["critic"], g["cost_critic"],
+                                                         build_reward(g, cfg), build_cost(g, cfg), tracker),
+}
+
 
 def run_ppo(config) -> dict:
-    """Train with the PPO family per ``config`` (a validated config from :func:`hybridflow.config.load_config`).
-    Returns the last validation metrics. Shuts down a Ray cluster it started itself."""
+    """Train per ``config`` (a validated config from :func:`hybridflow.config.load_config`) with the driver
+    ``algorithm.driver`` (the PPO family by default). Returns the last validation metrics. Shuts down a Ray
+    cluster it started itself."""
     import ray
 
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
@@ -37,7 +50,7 @@ def _train(config, groups, train_batches, val_data, total) -> dict:
         config=config,
     )
     try:
-        trainer = PPOTrainer(config, groups["actor"], groups.get("critic"), groups["reward"], tracker)
+        trainer = DRIVERS[config.algorithm.driver](config, groups, tracker)
         result = trainer.fit(train_batches, val_data, total)
     finally:
         tracker.finish()

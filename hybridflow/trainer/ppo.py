@@ -18,7 +18,8 @@ import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.steps import apply_kl_penalty, compute_advantage, compute_data_metrics, compute_timing_metrics
+from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, compute_advantage, compute_data_metrics,
+                                     compute_timing_metrics)
 from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
@@ -31,8 +32,17 @@ class PPOTrainer:
         config: the validated run config.
         actor: worker group of :class:`~hybridflow.workers.actor_worker.ActorRolloutRefWorker` (actor+rollout+ref).
         critic: worker group of :class:`~hybridflow.workers.critic_worker.CriticWorker`, or None (critic-free).
-        reward: worker group of :class:`~hybridflow.workers.reward_worker.RuleRewardWorker`.
+        reward: anything with ``compute_rm_score(DataProto) -> DataProto`` giving ``token_level_scores`` (B, R): the
+            :class:`~hybridflow.workers.reward_worker.RuleRewardWorker` group or a
+            :class:`~hybridflow.trainer.scoring.RewardScorer` (rule + reward model).
         tracker: a :class:`~hybridflow.utils.tracking.Tracking` (``log(metrics, step)``).
+
+    Other drivers (:mod:`~hybridflow.trainer.remax`, :mod:`~hybridflow.trainer.safe_rlhf`) hold a PPOTrainer and
+    reuse its pieces: :meth:`pop_prompts`, :meth:`rewards_and_advantages`, :meth:`step_metrics`, :meth:`fit`
+    (validation, checkpoints, resume) and the two checkpoint tables, to which they add what they train or track:
+    ``checkpointed_groups`` (name -> worker group with ``save_checkpoint``/``load_checkpoint``; saved under
+    ``<ckpt>/<name>``) and ``checkpointed_state`` (name -> driver object with ``state_dict``/``load_state_dict``;
+    saved in ``trainer_state.pt``).
     """
 
     def __init__(self, config, actor, critic, reward, tracker) -> None:
@@ -42,36 +52,51 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
         self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
-
-    def _trained_groups(self) -> dict:
-        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+        self.checkpointed_groups = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+        self.checkpointed_state = {"kl_ctrl": self.kl_ctrl}
 
     def save_checkpoint(self) -> str:
         """Checkpoint every trained worker group (sharded, per rank) and the driver state, atomically."""
-        writers = {name: group.save_checkpoint for name, group in self._trained_groups().items()}
-        state = {"global_step": self.global_step, "kl_ctrl": self.kl_ctrl.state_dict()}
+        writers = {name: group.save_checkpoint for name, group in self.checkpointed_groups.items()}
+        state = {"global_step": self.global_step,
+                 **{name: obj.state_dict() for name, obj in self.checkpointed_state.items()}}
         return self.checkpoints.save(self.global_step, writers, state)
 
     def resume(self) -> int:
-        """Load the checkpoint chosen by ``trainer.resume_mode`` (if any); returns the step to continue from."""
+        """Load the checkpoint chosen by ``trainer.resume_mode`` (if any); returns the step to continue from.
+
+        Raises:
+            KeyError: the checkpoint lacks a part this driver checkpoints (it was written by another driver).
+        """
         path = self.checkpoints.resolve(self.config.trainer.resume_mode)
         if path is None:
             return 0
-        for name, group in self._trained_groups().items():
-            group.load_checkpoint(os.path.join(path, name))
         state = load_trainer_state(path)
+        missing = [name for name in self.checkpointed_state if name not in state]
+        missing += [name for name in self.checkpointed_groups if not os.path.isdir(os.path.join(path, name))]
+        if missing:
+            raise KeyError(f"checkpoint {path} has no {missing}; it was written by a run with another "
+                           f"algorithm.driver (this one is {self.config.algorithm.driver!r})")
+        for name, group in self.checkpointed_groups.items():
+            group.load_checkpoint(os.path.join(path, name))
         self.global_step = state["global_step"]
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        for name, obj in self.checkpointed_state.items():
+            obj.load_state_dict(state[name])
         logger.info("resumed from %s at step %d", path, self.global_step)
         return self.global_step
 
+    def pop_prompts(self, batch: DataProto) -> DataProto:
+        """Start a step: give each prompt a ``uid`` (before its n samples are made, so they share it: the groups of
+        GRPO/RLOO), put ``global_step`` in ``batch.meta_info``, and pop the prompt tensors (``input_ids``,
+        ``attention_mask``, ``position_ids`` (B, P)) with this step's sampling ``seed`` as the rollout's input."""
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch.meta_info.update(seed=self.config.trainer.seed * 100003 + self.global_step, global_step=self.global_step)
+        return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], meta_info_keys=["seed"])
+
     def step(self, batch: DataProto) -> dict[str, float]:
         """One PPO iteration on a batch of prompts; returns its metrics."""
-        cfg, t = self.config, {}
-        n = cfg.actor_rollout_ref.rollout.n
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        batch.meta_info.update(seed=cfg.trainer.seed * 100003 + self.global_step, global_step=self.global_step)
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], meta_info_keys=["seed"])
+        n, t = self.config.actor_rollout_ref.rollout.n, {}
+        prompts = self.pop_prompts(batch)
         with timer("step", t):
             with timer("gen", t):
                 gen = self.actor.generate_sequences(prompts)
@@ -86,19 +111,17 @@ class PPOTrainer:
                 with timer("values", t):
                     batch.union(self.critic.compute_values(batch))
             with timer("adv", t):
-                metrics = self._rewards_and_advantages(batch)
+                metrics = self.rewards_and_advantages(batch)
             if self.critic is not None:
                 with timer("update_critic", t):
-                    metrics.update(_absorb(self.critic.update_critic(batch), batch))
+                    metrics.update(absorb_metrics(self.critic.update_critic(batch), batch))
             with timer("update_actor", t):
-                metrics.update(_absorb(self.actor.update_actor(batch), batch))
-        metrics.update(compute_data_metrics(batch), **{f"timing_s/{k}": v for k, v in t.items()})
-        metrics.update(compute_timing_metrics(batch.meta_info, t["step"]))
-        tokens = int(batch.batch["attention_mask"].sum())
-        metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / t["step"]})
-        return metrics
+                metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
+        return self.step_metrics(batch, metrics, t)
 
-    def _rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
+    def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
+        """``token_level_rewards`` (scores minus the in-reward KL when ``use_kl_in_reward``), then ``advantages``
+        and ``returns`` with ``algorithm.adv_estimator``; returns the KL metrics."""
         alg = self.config.algorithm
         metrics: dict[str, float] = {}
         if alg.use_kl_in_reward:
@@ -108,28 +131,45 @@ class PPOTrainer:
         compute_advantage(batch, alg)
         return metrics
 
+    def step_metrics(self, batch: DataProto, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
+        """End a step: ``metrics`` plus the batch statistics, the phase seconds ``times`` (with ``step``), the
+        worker/controller time split and the throughput."""
+        metrics.update(compute_data_metrics(batch), **{f"timing_s/{k}": v for k, v in times.items()})
+        metrics.update(compute_timing_metrics(batch.meta_info, times["step"]))
+        tokens = int(batch.batch["attention_mask"].sum())
+        metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / times["step"]})
+        return metrics
+
+    def validate(self, val_data: DataProto) -> dict[str, float]:
+        """``val/score`` (and per data source) of the current policy on ``val_data`` (see :func:`validate`)."""
+        return validate(self.config, self.actor, self.reward, val_data)
+
     def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
-            total_steps: int) -> dict:
-        """Resume if a checkpoint says so, then run PPO steps up to ``total_steps``: ``train_batches(step)``
+            total_steps: int, driver=None) -> dict:
+        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(step)``
         yields the batches from global step ``step`` on. Validates every ``trainer.test_freq`` steps and at the
         end (and before training with ``val_before_train``, unless resuming); checkpoints every
-        ``trainer.save_freq`` steps and at the end. Returns the last validation metrics."""
+        ``trainer.save_freq`` steps and at the end. Returns the last validation metrics.
+
+        ``driver``: the object whose ``step(batch) -> metrics`` and ``validate(val_data) -> metrics`` run the
+        algorithm (default: this PPO trainer); another driver passes itself and gets this loop."""
         cfg = self.config.trainer
+        driver = driver or self
         val_metrics: dict[str, float] = {}
         start = self.resume()
         if val_data is not None and cfg.val_before_train and start == 0:
-            val_metrics = validate(self.config, self.actor, self.reward, val_data)
+            val_metrics = driver.validate(val_data)
             self.tracker.log(val_metrics, step=0)
         for batch in train_batches(start):
             if self.global_step >= total_steps:
                 break
             self.global_step += 1
             step_start = time.perf_counter()
-            metrics = self.step(batch)
+            metrics = driver.step(batch)
             last = self.global_step == total_steps
             if val_data is not None and cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
                 val_start = time.perf_counter()
-                val_metrics = validate(self.config, self.actor, self.reward, val_data)
+                val_metrics = driver.validate(val_data)
                 metrics.update(val_metrics, **{"timing_s/testing": time.perf_counter() - val_start})
             if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
                 save_start = time.perf_counter()
@@ -140,9 +180,9 @@ class PPOTrainer:
         return val_metrics
 
 
-def _absorb(update_out: DataProto, batch: DataProto) -> dict[str, float]:
-    """Return an update step's ``meta_info["metrics"]``; keep its other meta (worker timings) on ``batch``."""
+def absorb_metrics(update_out: DataProto, batch: DataProto) -> dict[str, float]:
+    """Return an update step's ``meta_info["metrics"]``; add its worker seconds to ``batch.meta_info``."""
     meta = dict(update_out.meta_info)
     metrics = meta.pop("metrics")
-    batch.meta_info.update(meta)
+    add_worker_time(batch.meta_info, meta)
     return metrics

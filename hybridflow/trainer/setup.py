@@ -20,6 +20,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 from hybridflow.workers.critic_worker import CriticWorker
 from hybridflow.workers.reward_worker import RuleRewardWorker
+from hybridflow.workers.rm_worker import RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,26 @@ def total_training_steps(config, steps_per_epoch: int) -> int:
 
 
 DEFAULT_POOL = "global_pool"
+ROLES = ("actor", "critic", "reward", "reward_model", "cost_model", "cost_critic")  # worker-group role names
+_TAKE_TOTAL_STEPS = ("actor", "critic", "cost_critic")  # roles whose init_model sizes an lr schedule
+
+
+def worker_roles(config) -> dict[str, RayClassWithInitArgs]:
+    """The worker groups a run needs, by role: ``actor`` (+rollout+reference) and ``reward`` (rule reward and
+    rule cost) always; ``critic`` when :func:`~hybridflow.config.need_critic`; ``reward_model`` with
+    ``reward_model.enable``; for ``algorithm.driver=safe_rlhf`` a ``cost_critic`` (same settings as ``critic``)
+    and, with ``cost_model.enable``, a ``cost_model``."""
+    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"),
+             "reward": RayClassWithInitArgs(RuleRewardWorker, config)}
+    if need_critic(config):
+        roles["critic"] = RayClassWithInitArgs(CriticWorker, config)
+    if config.reward_model.enable:
+        roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, "reward_model")
+    if config.algorithm.driver == "safe_rlhf":
+        roles["cost_critic"] = RayClassWithInitArgs(CriticWorker, config)
+        if config.cost_model.enable:
+            roles["cost_model"] = RayClassWithInitArgs(RewardModelWorker, config, "cost_model")
+    return roles
 
 
 def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -100,24 +121,28 @@ def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
     """
     tr = config.trainer
     pools = dict(config.resource_pool.pools or {DEFAULT_POOL: [tr.n_gpus_per_node] * tr.nnodes})
-    mapping = {role: config.resource_pool.mapping.get(role, DEFAULT_POOL) for role in ("actor", "critic", "reward")}
+    given = dict(config.resource_pool.mapping)
+    unknown = sorted(set(given) - set(ROLES))
+    if unknown:
+        raise ValueError(f"resource_pool.mapping has unknown roles {unknown}; roles are {list(ROLES)}")
+    actor_pool = given.get("actor", DEFAULT_POOL)
+    # a role not mapped explicitly shares the actor's pool
+    mapping = {role: given.get(role, actor_pool) for role in ROLES}
     for role, pool in mapping.items():
         if pool not in pools:
-            raise ValueError(f"resource_pool.mapping.{role} names pool {pool!r}, but the pools are {sorted(pools)}")
+            where = f"resource_pool.mapping.{role}" if role in given else f"{role} (unmapped: follows the actor)"
+            raise ValueError(f"{where} names pool {pool!r}, but the pools are {sorted(pools)}")
     return {k: list(v) for k, v in pools.items()}, mapping
 
 
 @contextmanager
 def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
-    """Spawn the actor(+rollout+ref), critic (if used) and rule-reward groups on their resource pools (each
-    group has as many ranks as its pool; groups on one pool share its devices and take turns), run every
-    group's ``init_model`` concurrently, and yield ``{role: group}``. On exit (also on error) the pools are
-    removed, which ends their actors, so a long-lived Ray cluster is left as it was found."""
+    """Spawn the groups of :func:`worker_roles` on their resource pools (each group has as many ranks as its
+    pool; groups on one pool share its devices and take turns), run every group's ``init_model`` concurrently,
+    and yield ``{role: group}``. On exit (also on error) the pools are removed, which ends their actors, so a
+    long-lived Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
-    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"),
-             "reward": RayClassWithInitArgs(RuleRewardWorker, config)}
-    if need_critic(config):
-        roles["critic"] = RayClassWithInitArgs(CriticWorker, config)
+    roles = worker_roles(config)
     sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
     pools: dict[str, ResourcePool] = {}
     try:
@@ -126,7 +151,8 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
                 pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
         created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
         groups = dict(zip(roles, created))
-        pending = {role: group.execute_all_async("init_model", *(() if role == "reward" else (total_steps,)))
+        pending = {role: group.execute_all_async("init_model",
+                                                     *([total_steps] if role in _TAKE_TOTAL_STEPS else []))
                    for role, group in groups.items()}
         for role, refs in pending.items():  # WorkerError names the role and rank of a failed init
             get_outputs(refs, range(len(refs)), groups[role].name, "init_model")

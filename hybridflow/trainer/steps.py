@@ -28,7 +28,9 @@ def apply_kl_penalty(data: DataProto, kl_ctrl, kl_penalty_type: str = "kl") -> d
 
 def compute_advantage(data: DataProto, algorithm_config) -> None:
     """Adds ``advantages`` and ``returns`` (B, R) fp32 to ``data`` with the estimator named by
-    ``algorithm_config.adv_estimator`` (see :mod:`hybridflow.algorithms.advantage` for the calling convention)."""
+    ``algorithm_config.adv_estimator`` (see :mod:`hybridflow.algorithms.advantage` for the calling convention).
+    Passes what the batch has: ``values`` (B, R), the group ids ``uid`` (B,) and, from the ReMax driver,
+    ``reward_baselines`` (B,)."""
     b = data.batch
     fn = get_adv_estimator_fn(algorithm_config.adv_estimator)
     advantages, returns = fn(
@@ -36,6 +38,7 @@ def compute_advantage(data: DataProto, algorithm_config) -> None:
         response_mask=b["response_mask"],
         values=b.get("values"),
         index=data.non_tensor_batch.get("uid"),
+        reward_baselines=b.get("reward_baselines"),
         config=algorithm_config,
     )
     b["advantages"], b["returns"] = advantages, returns
@@ -74,6 +77,14 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
         diff = (b["rollout_log_probs"] - b["old_log_probs"]).abs()[mask]
         metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
     return metrics
+
+
+def add_worker_time(meta_info: dict, other_meta: dict) -> None:
+    """Add the worker seconds (``worker_s/*`` keys) of ``other_meta`` to ``meta_info``, summing a method that ran
+    more than once in the step (e.g. ``update_critic`` of a reward and a cost critic)."""
+    for key, value in other_meta.items():
+        if key.startswith(WORKER_TIME_PREFIX):
+            meta_info[key] = meta_info.get(key, 0.0) + value
 
 
 def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, float]:

@@ -3,6 +3,7 @@
 Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. When
 ``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
 ``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
+With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from hybridflow.protocol import DataProto
 GREEDY = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
 
 
-def _scores(config, actor, reward, val_data: DataProto, sampling: dict) -> tuple[list[float], list[str]]:
+def _scores(config, actor, reward, val_data: DataProto, sampling: dict, cost=None,
+            costs: list[float] | None = None) -> tuple[list[float], list[str]]:
+    """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``."""
     batch_size = config.data.val_batch_size or len(val_data)
     scores: list[float] = []
     sources: list[str] = []
@@ -28,6 +31,8 @@ def _scores(config, actor, reward, val_data: DataProto, sampling: dict) -> tuple
         rows = DataProto(batch=gen.batch, non_tensor_batch=rows.non_tensor_batch)
         scores.extend(reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist())
         sources.extend(rows.non_tensor_batch["data_source"].tolist())
+        if cost is not None:
+            costs.extend(cost.compute_cost(rows).sum(-1).tolist())
     return scores, sources
 
 
@@ -40,9 +45,13 @@ def _summarise(name: str, scores: list[float], sources: list[str]) -> dict[str, 
     return metrics
 
 
-def validate(config, actor, reward, val_data: DataProto) -> dict[str, float]:
-    """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source."""
-    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY))
+def validate(config, actor, reward, val_data: DataProto, cost=None) -> dict[str, float]:
+    """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source; with
+    ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``."""
+    costs: list[float] = []
+    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY, cost, costs))
+    if cost is not None:
+        metrics["val/cost"] = float(np.mean(costs))
     kw = config.actor_rollout_ref.rollout.val_kwargs
     if kw.do_sample:
         sampling = {"do_sample": True, "temperature": kw.temperature, "top_p": kw.top_p, "top_k": kw.top_k,

@@ -4,9 +4,12 @@ Colocating the three roles lets the rollout take its weights from the actor in m
 (``load_weights`` from the gathered FSDP shards, no disk) and lets the frozen reference share the process.
 Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``.
 
-Each method below is one dataflow step: DataProto in, DataProto out, dispatched by the mesh-aware mode over
-the ``actor`` mesh (one chunk per data-parallel rank; every rank of a dp group answers with the same rows, and
-one rank per dp group is collected).
+Each method below is one dataflow step: DataProto in, DataProto out, dispatched by the mesh-aware mode. Training
+steps use the ``actor`` mesh, the training layout dp x tp (``actor.tensor_model_parallel_size``): one chunk per
+dp rank, shared by its tp peers, one rank per dp group collected. ``generate_sequences`` uses the ``rollout``
+mesh, the generation layout dp_g x tp_g (``rollout.tensor_model_parallel_size``). With the ``hf`` backend the
+3D-HybridEngine (:mod:`hybridflow.engine`) switches the actor's weights between the two layouts: the generation
+model exists only from a ``generate_sequences`` call to the next training step, holding 1/tp_g of the weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
-from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, iter_full_state, resolve_dtype
+from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model, resolve_dtype
+from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
@@ -56,6 +60,7 @@ class ActorRolloutRefWorker(Worker):
         self._has_actor = role != "ref"
         self._has_ref = role in ("actor_rollout_ref", "ref")
         self._rollout_stale = True
+        self.engine = None  # the 3D-HybridEngine (hf rollout backend)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -66,8 +71,11 @@ class ActorRolloutRefWorker(Worker):
         cfg = self.config.actor_rollout_ref
         torch.manual_seed(self.config.trainer.seed)
         self.device = self.device_name
-        mesh = build_mesh(dp=self.world_size)
-        self._register_dispatch_collect_info("actor", dp_rank=self.rank, is_collect=True)
+        tp = cfg.actor.tensor_model_parallel_size
+        self.dp_size = self.world_size // tp
+        mesh = build_mesh(dp=self.dp_size, tp=tp)
+        dp_rank, tp_rank = divmod(self.rank, tp)
+        self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0)
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
@@ -76,11 +84,15 @@ class ActorRolloutRefWorker(Worker):
             module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             if cfg.model.enable_gradient_checkpointing:
                 module.gradient_checkpointing_enable()
-            module = apply_fsdp2(module.to(self.device), mesh)
+            module = parallelize_model(module.to(self.device), mesh)
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
             self.actor = PPOActor(module, optimizer, cfg.actor, temperature, self.config.trainer.nonfinite_grad)
-            rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
+            rollout_cls = get_rollout_class(cfg.rollout.name)
+            rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
+            use_engine = cfg.rollout.name == "hf"  # the engine's generation model replaces a separate copy
+            if rollout_cls.needs_module and not use_engine:
+                rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
             rollout_cfg = SimpleNamespace(
                 response_length=self.config.data.max_response_length,
                 n=cfg.rollout.n,
@@ -89,34 +101,78 @@ class ActorRolloutRefWorker(Worker):
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
                 micro_batch_size=cfg.rollout.micro_batch_size_per_gpu,
+                tensor_model_parallel_size=cfg.rollout.tensor_model_parallel_size,
+                weight_bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20,
             )
             eos = get_eos_token_ids(path, self.tokenizer)
-            self.rollout = get_rollout_class(cfg.rollout.name)(
-                rollout_module, rollout_cfg, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id
-            )
-            self._rollout_stale = False  # both were loaded from the same checkpoint
+            if use_engine:
+                self._build_hybrid_engine(mesh, rollout_cfg, eos)
+            else:
+                self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
         if self._has_ref:
             ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             ref.requires_grad_(False)
-            self.ref = PPOActor(apply_fsdp2(ref.to(self.device), mesh), None, cfg.actor, temperature)
+            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor, temperature)
+
+    def _build_hybrid_engine(self, mesh, rollout_cfg, eos) -> None:
+        """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
+        first switch (the generation model holds weights only between a switch and the next training step)."""
+        cfg = self.config.actor_rollout_ref
+        fsdp = cfg.actor.fsdp_config
+        self.engine = HybridEngine(
+            self.actor.module, mesh, cfg.rollout.tensor_model_parallel_size,
+            bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20, optimizer=self.actor.optimizer,
+            param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload)
+        self._hf_rollout_args = (rollout_cfg, eos, self.tokenizer.pad_token_id)
+        self.rollout = None
+        self._register_dispatch_collect_info("rollout", dp_rank=self.engine.gen_dp_rank,
+                                             is_collect=self.engine.gen_tp_rank == 0)
+
+    def _build_rollout(self, rollout_cls, path, rollout_module, rollout_cfg, eos, dtype) -> None:
+        """A backend with its own copy of the weights, refreshed from the gathered actor after each update; its
+        tensor-parallel groups (if any) are consecutive ranks."""
+        cfg = self.config.actor_rollout_ref
+        self.rollout = rollout_cls.from_config(
+            path, rollout_module, rollout_cfg, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
+            dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
+            max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
+        )
+        self._rollout_stale = False  # both were loaded from the same checkpoint
+        tp_g = cfg.rollout.tensor_model_parallel_size
+        self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp_g, is_collect=self.rank % tp_g == 0)
+
+    def _switch_to_training(self) -> None:
+        """Free the generation copy (and bring offloaded training state back) before the actor trains."""
+        if self.engine is not None:
+            self.engine.switch_to_training()
 
     def _sync_rollout_weights(self) -> None:
-        """Push the actor's current weights into the rollout engine (all ranks gather in lockstep)."""
-        if self._rollout_stale:
+        """Make the rollout's weights current: the engine's switch to generation (a no-op when current), or
+        for a backend with its own copy, a full gather of the actor's weights (all ranks in lockstep)."""
+        if self.engine is not None:
+            module = self.engine.switch_to_generation()
+            if self.rollout is None:
+                rollout_cfg, eos, pad = self._hf_rollout_args
+                self.rollout = get_rollout_class("hf")(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
+        elif self._rollout_stale:
             self.rollout.load_weights(iter_full_state(self.actor.module))
             self._rollout_stale = False
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout")
     @report_time
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses for left-padded ``prompts`` (see :class:`hybridflow.rollout.BaseRollout`);
-        ``meta_info`` may override sampling (validation passes greedy settings) and carry ``seed``."""
+        ``meta_info`` may override sampling (validation passes greedy settings) and carry ``seed``. The tp_g
+        peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
+        gen_dp_rank = self._query_dispatch_info("rollout")[0]
         meta = dict(prompts.meta_info)
-        if "seed" in meta:  # distinct streams per rank, reproducible per (seed, rank)
-            meta["seed"] = int(meta["seed"]) * 1000 + self.rank
+        if "seed" in meta:  # distinct streams per generation dp rank, reproducible per (seed, dp_g rank)
+            meta["seed"] = int(meta["seed"]) * 1000 + gen_dp_rank
         prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
         out = self.rollout.generate_sequences(prompts)
+        if self.engine is not None:
+            self.engine.check_lockstep(out.batch["responses"])
         out.meta_info.pop("seed", None)
         return out
 
@@ -124,6 +180,7 @@ class ActorRolloutRefWorker(Worker):
     @report_time
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
+        self._switch_to_training()
         micro = self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
         log_prob, entropy = self.actor.compute_log_prob(data, micro, calculate_entropy=True)
         return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
@@ -132,6 +189,7 @@ class ActorRolloutRefWorker(Worker):
     @report_time
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
+        self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
         micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
         log_prob, _ = self.ref.compute_log_prob(data, micro)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
@@ -141,8 +199,9 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
         ``data.meta_info["global_step"]`` seeds the mini-batch shuffle."""
+        self._switch_to_training()
         cfg = self.config.actor_rollout_ref
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.dp_size
         step = int(data.meta_info.get("global_step", 0))
         metrics = self.actor.update_policy(data, mini, seed=self.config.trainer.seed + step)
         metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -154,6 +213,7 @@ class ActorRolloutRefWorker(Worker):
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's shards of the actor weights and optimizer, its lr-scheduler and RNG state; rank 0
         also writes the HF config, generation config and tokenizer to ``path/hf`` (for ``hybridflow export``)."""
+        self._switch_to_training()
         save_sharded(path, self.actor.module, self.actor.optimizer,
                      {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.actor.skipped_steps})
         if self.rank == 0:
@@ -165,6 +225,7 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same number of ranks); the rollout re-syncs its weights."""
+        self._switch_to_training()
         extra = load_sharded(path, self.actor.module, self.actor.optimizer)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.actor.skipped_steps = extra["skipped_steps"]

@@ -12,7 +12,8 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
-from hybridflow.rewards.batch import score_batch
+from hybridflow.rewards.batch import decode_responses, score_batch
+from hybridflow.rewards.cost import get_cost_fn
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -26,7 +27,8 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 
 
 class RuleRewardWorker(Worker):
-    """Scores responses with :func:`hybridflow.rewards.default_compute_score` (by ``data_source``)."""
+    """Scores responses with :func:`hybridflow.rewards.default_compute_score` (by ``data_source``), and with the
+    rule cost ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -50,3 +52,17 @@ class RuleRewardWorker(Worker):
         mask = data.batch["response_mask"]
         return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
                                             "reward_error": torch.tensor(errors, dtype=torch.bool)})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @report_time
+    def compute_rule_cost(self, data: DataProto) -> DataProto:
+        """``token_level_cost_scores`` (B, R) fp32: the rule cost ``cost_model.rule`` of each decoded response
+        (``responses``/``response_mask``; ``ground_truth`` and ``extra_info`` columns when present) on its last
+        valid token."""
+        fn = get_cost_fn(self.config.cost_model.rule)
+        nt = data.non_tensor_batch
+        truths, extra = nt.get("ground_truth"), nt.get("extra_info")
+        costs = [float(fn(text, "" if truths is None else truths[i], None if extra is None else extra[i]))
+                 for i, text in enumerate(decode_responses(self.tokenizer, data))]
+        mask = data.batch["response_mask"]
+        return DataProto.from_dict(tensors={"token_level_cost_scores": place_scores(torch.tensor(costs), mask)})

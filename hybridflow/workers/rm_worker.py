@@ -65,11 +65,14 @@ def load_score_model(path: str, dtype: torch.dtype, trust_remote_code: bool = Fa
         raise FileNotFoundError(f"score model path {path!r} is not a local directory; hybridflow never downloads "
                                 "weights, so pass a local Hugging Face model directory")
     config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code)
-    if getattr(config, "num_labels", 1) != 1:
+    architectures = config.architectures or []
+    if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+        raise ValueError(f"score model at {path!r} has no trained score head (architectures {architectures}); "
+                         "expected a *ForSequenceClassification or *ForTokenClassification checkpoint")
+    if config.num_labels != 1:
         raise ValueError(f"score model at {path!r} has num_labels={config.num_labels}; a reward or cost model "
                          "must have exactly one label")
-    config.num_labels = 1
-    if any(arch.endswith("ForSequenceClassification") for arch in (config.architectures or [])):
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
         config.token_classification_bias = False  # sequence-classification heads have no bias
     model, info = AutoModelForTokenClassification.from_pretrained(
         local, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True

@@ -1,0 +1,153 @@
+"""TRL's GRPOTrainer vs hybridflow GRPO on the same tiny model, prompts and settings, on CPU, in one run.
+
+Both sides train ``builtin:tiny-arith`` on the same built-in-task prompts (in the same order, chat template
+applied, no shuffle) with the same group size, prompts per step, max new tokens, sampling (temperature 1),
+learning rate, KL-loss coefficient (k3 estimator, as a loss term) and one optimizer update per step, scored by
+the same GSM8K rule reward. TRL runs in this process with ``--trl-threads`` torch threads (default: as many as
+hybridflow has ranks, so both get the same cores); hybridflow runs its usual Ray worker groups (``--ranks``
+processes, one thread each). On a machine shared with other jobs, multi-threaded torch ops slow down far more
+than single-threaded ones (threads wait on each other), so compare with ``--trl-threads 1`` there as well. The
+first step of each side is warm-up and not counted; hybridflow's Ray and worker start-up is not counted either.
+
+Prints ONE JSON object: per side ``seconds_per_step`` and ``generated_tokens_per_s`` (generated tokens per step
+/ seconds per step, end to end), and ``ratio_trl_over_hybridflow`` (TRL seconds per step / hybridflow seconds
+per step: above 1 means hybridflow is faster).
+
+    pip install -e ".[bench]"            # TRL is a benchmark-only extra
+    python benchmarks/compare_trl.py [--steps 6] [--prompts-per-step 8] [--group-size 4] [--max-new-tokens 32]
+                                     [--ranks 2] [--trl-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+
+MODEL = "builtin:tiny-arith"
+SEED = 1
+
+
+def _settings(args) -> dict:
+    return {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens, "lr": args.lr, "kl_coef": args.kl_coef,
+            "updates_per_step": 1, "ranks_hybridflow": args.ranks, "torch_threads_trl": args.trl_threads,
+            "model": MODEL}
+
+
+def run_hybridflow(args) -> dict:
+    """GRPO through the normal entry point; per-step seconds and generated tokens from metrics.jsonl."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer.main import run_ppo
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config("grpo_quickstart", [
+            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", f"trainer.n_gpus_per_node={args.ranks}",
+            f"data.train_batch_size={args.prompts_per_step}",
+            f"data.builtin_train_size={args.steps * args.prompts_per_step}",
+            "data.shuffle=false", f"data.seed={SEED}", f"data.max_response_length={args.max_new_tokens}",
+            f"actor_rollout_ref.rollout.n={args.group_size}",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts_per_step}",  # one update per step
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+            f"{args.prompts_per_step * args.group_size // args.ranks}",
+            f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+            "actor_rollout_ref.rollout.temperature=1.0", f"trainer.seed={SEED}",
+        ])
+        run_ppo(cfg)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f][1:]  # the first step is warm-up
+    seconds = [r["timing_s/step"] for r in rows]
+    tokens = [r["response_length/mean"] * args.prompts_per_step * args.group_size for r in rows]
+    return _summary(seconds, tokens, [r["critic/score/mean"] for r in rows])
+
+
+def run_trl(args) -> dict:
+    """TRL's GRPOTrainer on CPU in this process; per-step seconds from a callback, tokens from its logs."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hybridflow.data.builtin_task import make_builtin_rows
+    from hybridflow.models.builtin import resolve_model_path
+    from hybridflow.models.hf import load_tokenizer
+    from hybridflow.rewards import default_compute_score
+
+    torch.set_num_threads(args.trl_threads)
+    path = resolve_model_path(MODEL)
+    rows = make_builtin_rows("train", args.steps * args.prompts_per_step, SEED)
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"],
+                                  "data_source": r["data_source"]} for r in rows])
+
+    def gsm8k_reward(prompts, completions, ground_truth, data_source, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [default_compute_score(s, t, g) for s, t, g in zip(data_source, texts, ground_truth)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.tokens, self.rewards, self._start = [], [], [], 0.0
+
+        def on_step_begin(self, *a, **kw):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *a, **kw):
+            self.seconds.append(time.perf_counter() - self._start)
+
+        def on_log(self, _args, _state, _control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.tokens.append(logs["completions/mean_length"] * args.prompts_per_step * args.group_size)
+                self.rewards.append(logs.get("reward", float("nan")))
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no",
+            logging_steps=1, max_steps=args.steps, seed=SEED, learning_rate=args.lr, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+            per_device_train_batch_size=args.prompts_per_step * args.group_size, gradient_accumulation_steps=1,
+            steps_per_generation=1, num_iterations=1, num_generations=args.group_size,
+            max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=args.kl_coef,
+            loss_type="dapo", scale_rewards="group", shuffle_dataset=False, disable_dropout=True,
+            dataloader_num_workers=0,
+        )
+        timer = StepTimer()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=config, train_dataset=dataset,
+                              processing_class=load_tokenizer(MODEL), callbacks=[timer])
+        trainer.train()
+    return _summary(timer.seconds[1:], timer.tokens[1:], timer.rewards[1:])
+
+
+def _summary(seconds: list[float], tokens: list[float], rewards: list[float]) -> dict:
+    per_step = statistics.mean(seconds)
+    return {"seconds_per_step": round(per_step, 4),
+            "generated_tokens_per_s": round(statistics.mean(tokens) / per_step, 1),
+            "mean_reward": round(statistics.mean(rewards), 4), "timed_steps": len(seconds)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="training steps per side (the first is warm-up)")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=5e-5)
+    parser.add_argument("--kl-coef", type=float, default=0.001)
+    parser.add_argument("--ranks", type=int, default=2, help="hybridflow ranks (processes, one thread each)")
+    parser.add_argument("--trl-threads", type=int, default=None, help="torch threads of TRL (default: --ranks)")
+    args = parser.parse_args()
+    args.trl_threads = args.trl_threads or args.ranks
+    logging.basicConfig(level=logging.WARNING)
+    trl = run_trl(args)
+    hybridflow = run_hybridflow(args)
+    print(json.dumps({"settings": _settings(args), "trl": trl, "hybridflow": hybridflow,
+                      "ratio_trl_over_hybridflow": round(trl["seconds_per_step"] / hybridflow["seconds_per_step"], 3)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Driver selection (algorithm.driver) and what each driver needs, checked at load time."""
+
+import pytest
+
+from hybridflow.config import ConfigError, load_config, need_critic
+
+
+def _problems(recipe, *overrides):
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, list(overrides))
+    return err.value.problems
+
+
+def test_default_driver_is_ppo_and_the_quickstart_is_unchanged():
+    cfg = load_config("quickstart")
+    assert cfg.algorithm.driver == "ppo" and cfg.algorithm.adv_estimator == "gae" and need_critic(cfg)
+    assert not cfg.reward_model.enable and cfg.cost_model.rule is None
+
+
+@pytest.mark.parametrize("recipe, driver, estimator, critic", [
+    ("grpo_quickstart", "ppo", "grpo", False), ("rloo_quickstart", "ppo", "rloo", False),
+    ("reinforce_pp_quickstart", "ppo", "reinforce_plus_plus", False), ("remax_quickstart", "remax", "remax", False),
+    ("safe_rlhf_quickstart", "safe_rlhf", "gae", True)])
+def test_recipes_select_their_driver(recipe, driver, estimator, critic):
+    cfg = load_config(recipe)
+    assert (cfg.algorithm.driver, cfg.algorithm.adv_estimator, need_critic(cfg)) == (driver, estimator, critic)
+
+
+def test_misspelled_driver_gets_a_suggestion():
+    (problem,) = _problems("quickstart", "algorithm.driver=remx")
+    assert problem == "algorithm.driver: 'remx' is not one of ppo, remax, safe_rlhf; did you mean remax?"
+
+
+def test_remax_estimator_needs_the_remax_driver():
+    (problem,) = _problems("quickstart", "algorithm.adv_estimator=remax")
+    assert problem.startswith("algorithm.adv_estimator=remax needs algorithm.driver=remax")
+
+
+def test_remax_driver_trains_no_critic():
+    (problem,) = _problems("remax_quickstart", "critic.enable=true")
+    assert problem.startswith("algorithm.driver=remax trains no critic")
+
+
+def test_safe_rlhf_needs_gae_and_a_cost():
+    problems = _problems("quickstart", "algorithm.driver=safe_rlhf", "algorithm.adv_estimator=grpo")
+    assert len(problems) == 2
+    assert problems[0].startswith("algorithm.driver=safe_rlhf uses a reward critic and a cost critic")
+    assert problems[1].startswith("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule")
+
+
+def test_lagrangian_and_score_model_values():
+    problems = _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_init=2.0",
+                         "algorithm.lagrangian.lambda_max=1.0", "algorithm.lagrangian.lambda_lr=-1",
+                         "cost_model.enable=true", "reward_model.enable=true", "cost_model.rule=nope")
+    assert "algorithm.lagrangian.lambda_lr: must be >= 0, got -1.0" in problems
+    assert "algorithm.lagrangian.lambda_max (1.0) must be null or >= algorithm.lagrangian.lambda_init (2.0)" in problems
+    assert "reward_model.enable=true needs reward_model.model.path (a local sequence- or token-classification " \
+           "checkpoint)" in problems
+    assert any(p.startswith("cost_model.enable=true needs cost_model.model.path") for p in problems)
+    assert any(p.startswith("cost_model.rule: unknown rule cost 'nope'") for p in problems)

@@ -1,0 +1,125 @@
+"""Driver pieces without Ray: prompt uids, the ReMax baseline hand-off, Safe-RLHF's Lagrangian advantage worked
+by hand, and what a Safe-RLHF checkpoint carries."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.config import load_config
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
+from hybridflow.trainer.steps import compute_advantage
+
+
+class StubGroup:
+    """Stands in for a worker group in checkpoint tests: writes a marker file, remembers what it loaded."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def save_checkpoint(self, path):
+        os.makedirs(path, exist_ok=True)
+        open(os.path.join(path, "marker"), "w").close()
+
+    def load_checkpoint(self, path):
+        self.loaded = path
+
+
+def _prompts(b=3, p=4):
+    return DataProto.from_dict(
+        tensors={"input_ids": torch.ones(b, p, dtype=torch.long), "attention_mask": torch.ones(b, p, dtype=torch.long),
+                 "position_ids": torch.arange(p).expand(b, -1)},
+        non_tensors={"ground_truth": np.array(["1", "2", "1"], dtype=object)})
+
+
+def test_samples_of_a_prompt_share_its_uid_even_with_identical_prompts(tmp_path):
+    cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    trainer = PPOTrainer(cfg, None, None, None, None)
+    batch = _prompts()  # rows 0 and 2 have identical prompt tensors and ground truth
+    prompts = trainer.pop_prompts(batch)
+    assert sorted(prompts.batch) == ["attention_mask", "input_ids", "position_ids"]
+    uid = batch.repeat(4, interleave=True).non_tensor_batch["uid"]
+    assert [len(set(uid[i * 4:(i + 1) * 4])) for i in range(3)] == [1, 1, 1]
+    assert len(set(uid)) == 3
+
+
+def test_compute_advantage_hands_the_greedy_baselines_to_remax():
+    cfg = load_config("remax_quickstart")
+    data = DataProto.from_dict(tensors={
+        "token_level_rewards": torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]),
+        "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        "reward_baselines": torch.tensor([0.25, 1.0])})
+    compute_advantage(data, cfg.algorithm)
+    # return-to-go minus the sample's greedy baseline, on valid tokens
+    assert torch.allclose(data.batch["advantages"], torch.tensor([[0.75, 0.75, 0.0], [-1.0, -1.0, -1.0]]))
+
+
+def _safe_config(tmp_path, *extra):
+    return load_config("safe_rlhf_quickstart", [
+        f"trainer.default_local_dir={tmp_path}", "algorithm.kl_ctrl.kl_coef=0.5",
+        "algorithm.lagrangian.threshold=0.25", "algorithm.lagrangian.lambda_init=1.0",
+        "algorithm.lagrangian.lambda_lr=1.0", *extra])
+
+
+def test_safe_rlhf_advantage_worked_by_hand(tmp_path):
+    trainer = SafeRLHFTrainer(_safe_config(tmp_path), None, None, None, None, None, None)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = DataProto.from_dict(tensors={
+        "response_mask": mask,
+        "token_level_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.5, 0.0]]),
+        "token_level_cost_scores": torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0]]),
+        "old_log_probs": torch.tensor([[-1.0, -1.0, -1.0], [-0.5, -0.5, 0.0]]),
+        "ref_log_prob": torch.tensor([[-1.2, -1.0, -0.8], [-0.5, -0.9, 0.0]]),
+        "values": torch.tensor([[0.5, 0.5, 0.5], [0.2, 0.1, 0.0]]),
+        "cost_values": torch.tensor([[0.3, 0.3, 0.3], [0.1, 0.0, 0.0]])})
+    metrics = trainer.lagrangian_advantages(batch)
+    b = batch.batch
+    # beta * KL (k1 = old - ref) with beta 0.5: [[0.1, 0, -0.1], [0, 0.2, 0]]
+    assert torch.allclose(b["token_level_rewards"], torch.tensor([[-0.1, 0.0, 1.1], [0.0, 0.3, 0.0]]))
+    assert torch.allclose(b["token_level_costs"], torch.tensor([[0.1, 0.0, 0.9], [0.0, 0.2, 0.0]]))
+    # gamma = lam = 1: returns are the returns-to-go; advantages are returns minus values
+    assert torch.allclose(b["returns"], torch.tensor([[1.0, 1.1, 1.1], [0.3, 0.3, 0.0]]))
+    assert torch.allclose(b["cost_returns"], torch.tensor([[1.0, 0.9, 0.9], [0.2, 0.2, 0.0]]))
+    reward_adv = [0.5, 0.6, 0.6, 0.1, 0.2]  # valid tokens, row-major
+    cost_adv = [0.7, 0.6, 0.6, 0.1, 0.2]
+    # lambda steps before use: window costs [1, 0] -> mean 0.5 > 0.25 -> log lambda = 0 + 1.0 * 0.25
+    lam = math.exp(0.25)
+    assert metrics["lagrange/lambda"] == pytest.approx(lam)
+    assert metrics["lagrange/window_cost"] == pytest.approx(0.5)
+    assert metrics["cost/score/mean"] == pytest.approx(0.5)
+    lagrangian = [(r - lam * c) / (1 + lam) for r, c in zip(reward_adv, cost_adv)]
+    mean = sum(lagrangian) / 5
+    std = math.sqrt(sum((x - mean) ** 2 for x in lagrangian) / 4)
+    expected = [(x - mean) / std for x in lagrangian]
+    assert torch.allclose(b["advantages"][mask.bool()], torch.tensor(expected), atol=1e-4)
+    assert b["advantages"][1, 2] == 0.0
+
+
+def test_safe_rlhf_checkpoint_carries_the_multiplier_and_the_cost_critic(tmp_path):
+    cfg = _safe_config(tmp_path)
+    groups = [StubGroup() for _ in range(3)]
+    trainer = SafeRLHFTrainer(cfg, *groups, None, None, None)
+    trainer.lagrange.update([1.0, 1.0, 0.0])
+    trainer.ppo.global_step = 3
+    path = trainer.ppo.save_checkpoint()
+    assert sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))) == [
+        "actor", "cost_critic", "critic"]
+    fresh_groups = [StubGroup() for _ in range(3)]
+    fresh = SafeRLHFTrainer(cfg, *fresh_groups, None, None, None)
+    assert fresh.ppo.resume() == 3
+    assert fresh.lagrange.state_dict() == trainer.lagrange.state_dict()
+    assert [g.loaded for g in fresh_groups] == [os.path.join(path, n) for n in ("actor", "critic", "cost_critic")]
+
+
+def test_resuming_another_drivers_checkpoint_names_what_is_missing(tmp_path):
+    ppo = PPOTrainer(load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"]),
+                     StubGroup(), StubGroup(), None, None)
+    ppo.global_step = 1
+    ppo.save_checkpoint()
+    safe = SafeRLHFTrainer(_safe_config(tmp_path), StubGroup(), StubGroup(), StubGroup(), None, None, None)
+    with pytest.raises(KeyError, match=r"no \['lagrange', 'cost_critic'\].*another algorithm.driver"):
+        safe.ppo.resume()
