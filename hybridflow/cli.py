@@ -50,7 +50,12 @@ def _run_train(args: argparse.Namespace) -> int:
         return 0
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
-    run_ppo(cfg)
+    try:
+        run_ppo(cfg)
+    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # bad paths: no traceback needed
+        logging.getLogger("hybridflow").debug("train failed", exc_info=True)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

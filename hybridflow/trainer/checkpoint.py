@@ -95,6 +95,9 @@ class CheckpointManager:
             return None
         if resume_mode == "auto":
             return self.latest()
+        if not os.path.exists(resume_mode):
+            raise FileNotFoundError(f"trainer.resume_mode={resume_mode!r}: no such path; use auto, disable or a "
+                                    "global_step_<N> directory")
         if not os.path.exists(os.path.join(resume_mode, STATE_FILE)):
             raise FileNotFoundError(
                 f"trainer.resume_mode={resume_mode!r}: not a complete checkpoint (no {STATE_FILE}); "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.remax import ReMaxTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
@@ -32,6 +33,11 @@ def run_ppo(config) -> dict:
 
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     total = total_training_steps(config, steps_per_epoch)
+    resume_from = CheckpointManager(config.trainer.default_local_dir).resolve(config.trainer.resume_mode)
+    if resume_from is not None and load_trainer_state(resume_from)["global_step"] >= total:
+        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from,
+                    load_trainer_state(resume_from)["global_step"], total, config.trainer.resume_mode)
+        return {}
     started_ray = init_ray(config)
     try:
         with worker_groups(config, total) as groups:

@@ -50,6 +50,9 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path):
 
 
 def test_explicit_path_must_be_a_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no such path"):
         CheckpointManager(str(tmp_path)).resolve(str(tmp_path / "nope"))
+    (tmp_path / "not_a_ckpt").mkdir()
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        CheckpointManager(str(tmp_path)).resolve(str(tmp_path / "not_a_ckpt"))
     assert CheckpointManager(str(tmp_path)).resolve("auto") is None
