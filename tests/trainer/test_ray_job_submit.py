@@ -45,8 +45,11 @@ def test_ray_job_submit_to_existing_cluster(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="hfray", dir="/tmp")  # Ray's socket paths must stay short
     # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode)
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
+    # every port explicit: another Ray on this machine (e.g. the test session's own) holds the defaults
     start = [_ray(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
              f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
     try:
@@ -57,9 +60,10 @@ def test_ray_job_submit_to_existing_cluster(tmp_path):
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
                   f"trainer.default_local_dir={out}"]
-        for _ in range(30):  # the head's job agent comes up a few seconds after `ray start` returns
+        deadline = time.time() + 120  # the head's job agent comes up a few seconds after `ray start` returns
+        while True:
             result = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=300)
-            if "No available agent" not in result.stderr + result.stdout:
+            if "No available agent" not in result.stderr + result.stdout or time.time() > deadline:
                 break
             time.sleep(2)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
