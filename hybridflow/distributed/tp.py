@@ -166,7 +166,8 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
     plan = get_tp_plan(model)
     # redistributing 2-D (FSDP x TP) parameters to full tensors warns about sequential all-gathers; expected here
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    styles = {**{name: ColwiseParallel() for name in plan.colwise}, **{name: RowwiseParallel() for name in plan.rowwise}}
+    styles = {**{name: ColwiseParallel() for name in plan.colwise},
+              **{name: RowwiseParallel() for name in plan.rowwise}}
     for layer in model.get_submodule(plan.layers):
         parallelize_module(layer, tp_mesh, styles)
         localize_attention(layer.get_submodule(plan.attention), tp)

@@ -101,9 +101,9 @@ class HybridEngine:
         self.module = build_tp_generation_model(train_module.config, self.tp, dtype)
         self._skeleton = dict(self.module.named_parameters())
         if set(self._skeleton) != set(params):
-            raise RuntimeError(
-                f"generation model and training model name their weights differently: only in generation "
-                f"{sorted(set(self._skeleton) - set(params))[:3]}, only in training {sorted(set(params) - set(self._skeleton))[:3]}")
+            only_gen, only_train = sorted(set(self._skeleton) - set(params)), sorted(set(params) - set(self._skeleton))
+            raise RuntimeError(f"generation model and training model name their weights differently: only in "
+                               f"generation {only_gen[:3]}, only in training {only_train[:3]}")
         # every (module, attribute) a weight is registered under: tied weights have several
         canonical = {id(p): name for name, p in self._skeleton.items()}
         self._aliases: dict[str, list[tuple[torch.nn.Module, str]]] = {}

@@ -3,8 +3,9 @@ allocator statistics).
 
 :class:`TensorMemoryTracker` is a ``TorchDispatchMode``: every operator output that does not alias an input
 (a fresh allocation) is counted until the last tensor viewing its storage (views made inside the block
-included) is freed; views and in-place results of memory allocated before the block are not counted. ``peak_bytes`` is the largest live total inside the block. Storage that collectives or
-libraries allocate outside torch tensors (e.g. transport buffers) is not seen.
+included) is freed; views and in-place results of memory allocated before the block are not counted.
+``peak_bytes`` is the largest live total inside the block. Storage that collectives or libraries allocate
+outside torch tensors (e.g. transport buffers) is not seen.
 """
 
 from __future__ import annotations

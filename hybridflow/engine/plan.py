@@ -20,9 +20,9 @@ Layouts (HybridFlow, Sheng et al. 2024, Sec. 5, "optimized parallel grouping"):
 
 Each rank then receives, for every weight, the intersections of its generation box with the training boxes
 of other ranks (a rank's own overlap is a local copy; a generation box that is a contiguous part of the rank's
-own training box needs no copy at all: it is used in place). The ranks a rank receives from form its micro data-parallel group
-(:meth:`ReshardPlan.micro_dp_group`); nothing is gathered from outside it, and only ``tp_g = 1`` makes a rank
-hold a full copy of the model.
+own training box needs no copy at all: it is used in place). The ranks a rank receives from form its micro
+data-parallel group (:meth:`ReshardPlan.micro_dp_group`); nothing is gathered from outside it, and only
+``tp_g = 1`` makes a rank hold a full copy of the model.
 
 Legend: ``Box``: per dim a half-open ``(start, stop)`` range of the full tensor; W: world size.
 """

@@ -15,7 +15,6 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -29,8 +28,6 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
-
-logger = logging.getLogger(__name__)
 
 ROLES = ("reward_model", "cost_model")
 MESH = "score_model"

@@ -125,6 +125,12 @@ def _case(arch, dp, tp, tp_g, offload, rank) -> dict:
     chunk = _prompts().chunk(engine.plan.gen.dp)[engine.gen_dp_rank]
     out = _rollout(gen_model).generate_sequences(chunk)
     result["responses"], result["log_probs"] = out.batch["responses"], out.batch["rollout_log_probs"]
+    engine.check_lockstep(out.batch["responses"])  # the tp_g peers agree
+    try:
+        engine.check_lockstep(torch.tensor([rank]))  # they do not: caught where tp_g > 1
+        result["divergence_caught"] = False
+    except RuntimeError:
+        result["divergence_caught"] = True
     # (c): back to training; one PPO step on this rank's dp chunk of the batch
     engine.switch_to_training()
     result["freed"] = all(p.device.type == "meta" for p in gen_model.parameters())
@@ -203,13 +209,21 @@ def test_generation_layout_and_greedy_outputs(case, runs, refs):
         groups.setdefault(res["gen_dp"], []).append(res["gen_tp"])
     assert sorted(groups) == list(range(world // tp_g))
     assert all(sorted(g) == list(range(tp_g)) for g in groups.values())
-    # a full copy only where tp_g = 1; otherwise nothing gathered beyond the micro-dp group
-    for res in ranks:
-        assert len(res["micro_dp_group"]) <= world
+    # who gathers from whom (derived by hand): nothing when the layouts coincide; for dp2 x tp2 with tp_g >= 2
+    # only the FSDP (dp) peers; everyone where a rank needs the whole model or on 2 ranks
+    for rank, res in enumerate(ranks):
+        if dp == 1 and tp == tp_g:
+            expected = [rank]
+        elif tp_g == 1 or world == 2:
+            expected = list(range(world))
+        else:
+            expected = [rank % tp + d * tp for d in range(dp)]
+        assert res["micro_dp_group"] == expected, f"rank {rank}"
     want_tokens = refs[arch]["responses"].chunk(world // tp_g)
     want_logp = refs[arch]["log_probs"].chunk(world // tp_g)
     assert refs[arch]["responses"].ne(0).sum() > B  # not vacuous: real tokens were generated
     for rank, res in enumerate(ranks):
+        assert res["divergence_caught"] == (tp_g > 1)
         assert torch.equal(res["responses"], want_tokens[res["gen_dp"]]), f"rank {rank}"
         torch.testing.assert_close(res["log_probs"], want_logp[res["gen_dp"]], atol=1e-5, rtol=0)
 
