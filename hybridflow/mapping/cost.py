@@ -14,11 +14,20 @@ follows Korthikanti et al. 2022 (34·h bytes per token per layer in bf16, divide
 parallelism, with flash attention so no s² term). Devices are numbered node-major and parallel groups in
 Megatron order (tp fastest, then dp, then pp), so a tp group sits inside a node and a dp group has stride tp.
 
+With ZeRO-3 (FSDP, what hybridflow's workers run) every FSDP unit (a decoder layer; the root: embeddings, norm,
+head) all-gathers its parameters before each forward and each backward of every micro-batch and reduce-scatters
+its gradients after each backward, so these collectives are charged per unit and micro-batch.
+
+CPU ranks (``ClusterSpec.cores_per_node``): ranks that outnumber a node's cores share them. ``rank_share`` gives
+each busy rank min(1, cores / busy ranks) of a core and ``contended`` scales the rank's CPU-bound rates by it.
+Which ranks are busy depends on the driver (``CostParams.sequential_driver``; see ``hybridflow.mapping.search``).
+
 Units: seconds, bytes, FLOP. Shapes are counts: ``sequences`` (sequences), ``seq_len`` (tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -26,9 +35,9 @@ from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload
 
 __all__ = [
     "CostParams", "GenerateEstimate", "Layout", "activation_bytes_infer", "activation_bytes_train",
-    "allreduce_time", "compute_time", "forward_flops", "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence",
-    "generate_time", "infer_time", "kv_cache_bytes", "model_state_bytes", "p2p_time", "reshard_time", "train_flops",
-    "train_time",
+    "allgather_time", "allreduce_time", "compute_time", "contended", "forward_flops", "fsdp_units",
+    "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence", "generate_time", "infer_time", "kv_cache_bytes",
+    "model_state_bytes", "p2p_time", "rank_share", "reshard_time", "train_flops", "train_time",
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER_BF16 = 34  # x hidden: Korthikanti et al. 2022, Table 2 (flash attention: no s^2 term)
@@ -70,8 +79,19 @@ class CostParams:
         zero_stage: sharding of training states over dp: 0 none, 1 optimizer (Megatron distributed optimizer),
             2 + gradients, 3 + weights (FSDP; inference-only models are then sharded over dp too).
         recompute: activation checkpointing in training (stores layer inputs; +2·N FLOP per token).
-        decode_step_overhead_s: fixed time per decode step (kernel launches, sampling, Python).
-        call_overhead_s: fixed time per model call (dispatch, data movement between workers).
+        decode_step_overhead_s: fixed time per decode step (kernel launches, sampling, Python), on a rank that
+            has a core (GPU: its host core) to itself.
+        call_overhead_s: fixed time per model call (dispatch, data movement between workers, the driver's own
+            work).
+        collective_overhead_s: fixed CPU time a rank spends around each all-gather and reduce-scatter of an
+            FSDP unit (ZeRO-3), besides the wire time: FSDP's copy-in / copy-out and hooks (on a rank with a core
+            to itself). Not charged to the plain gathers of the rollout's weight sync.
+        sequential_driver: the driver calls one worker group at a time and waits for it, as hybridflow's
+            synchronous drivers (PPO family, ReMax, Safe-RLHF) do: sets on different devices never overlap, so a
+            stage takes the sum of its sets' times, and only the running set's ranks are busy. False:
+            HybridFlow's model (§6, Algorithm 1), where sets on different devices run a stage at the same time
+            and the stage takes the slowest set. (An asynchronous driver that overlaps generation of the next
+            batch with training is neither; the model does not describe it.)
     """
 
     train_mfu: float = 0.45
@@ -84,6 +104,8 @@ class CostParams:
     recompute: bool = True
     decode_step_overhead_s: float = 0.0
     call_overhead_s: float = 0.0
+    collective_overhead_s: float = 0.0
+    sequential_driver: bool = True
 
     def __post_init__(self) -> None:
         fractions = {k: getattr(self, k) for k in ("train_mfu", "infer_mfu", "prefill_mfu", "gen_mbu", "gen_mfu",
@@ -91,9 +113,11 @@ class CostParams:
         bad = [f"{k}={v}" for k, v in fractions.items() if not 0 < v <= 1]
         if bad:
             raise SpecError(f"cost params: utilisation factors must be in (0, 1], got {', '.join(bad)}")
-        if self.decode_step_overhead_s < 0 or self.call_overhead_s < 0:
-            raise SpecError(f"cost params: overheads must be >= 0 s, got decode_step_overhead_s="
-                            f"{self.decode_step_overhead_s}, call_overhead_s={self.call_overhead_s}")
+        overheads = {k: getattr(self, k) for k in ("decode_step_overhead_s", "call_overhead_s",
+                                                   "collective_overhead_s")}
+        negative = [f"{k}={v}" for k, v in overheads.items() if v < 0]
+        if negative:
+            raise SpecError(f"cost params: overheads must be >= 0 s, got {', '.join(negative)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"cost params: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
 
@@ -120,23 +144,96 @@ def compute_time(flops: float, n_devices: int, peak_flops: float, mfu: float) ->
     return flops / (n_devices * peak_flops * mfu)
 
 
-def allreduce_time(nbytes: float, size: int, stride: int, cluster: ClusterSpec) -> float:
-    """Seconds of one all-reduce of ``nbytes`` per member over a group of ``size`` devices ``stride`` apart.
+def _ring(nbytes: float, size: int, stride: int, cluster: ClusterSpec, rounds: int) -> float:
+    """A ring collective of ``rounds`` passes (2: all-reduce; 1: all-gather or reduce-scatter) over ``size``
+    devices ``stride`` apart; ``nbytes``: the whole tensor (an all-reduce's input, an all-gather's output).
 
-    Inside one node: a ring, latency + 2(g-1)/g · bytes / intra_bw. Across k nodes: hierarchical (reduce-scatter
-    and all-gather inside the node, ring all-reduce of the 1/c shard across nodes, c members per node), where
+    Inside one node: latency + rounds·(g-1)/g · bytes / intra_bw, where the latency is paid once
+    (``DeviceSpec.hop_latency`` False) or on each of the rounds·(g-1) ring steps (True). Across k nodes:
+    hierarchical (the same inside each node with c members, then a ring over the nodes of the 1/c shard), where
     every device of a node does the same at once (all dp groups sync together), so the node's network moves
-    2(k-1)/k · bytes · stride. A group of one costs nothing.
+    rounds·(k-1)/k · bytes · stride. A group of one costs nothing.
     """
     if size <= 1:
         return 0.0
     dev = cluster.device
+
+    def latency(base: float, members: int) -> float:
+        return base * rounds * (members - 1) if dev.hop_latency else base
+
     per_node = max(1, min(size, cluster.devices_per_node // stride))
     if per_node >= size:
-        return dev.intra_latency_s + 2 * (size - 1) / size * nbytes / dev.intra_bw
+        return latency(dev.intra_latency_s, size) + rounds * (size - 1) / size * nbytes / dev.intra_bw
     k = ceil_div(size, per_node)
-    intra = dev.intra_latency_s + 2 * (per_node - 1) / per_node * nbytes / dev.intra_bw if per_node > 1 else 0.0
-    return intra + dev.inter_latency_s + 2 * (k - 1) / k * nbytes * min(stride, cluster.devices_per_node) / dev.inter_bw
+    intra = (latency(dev.intra_latency_s, per_node) + rounds * (per_node - 1) / per_node * nbytes / dev.intra_bw
+             if per_node > 1 else 0.0)
+    return (intra + latency(dev.inter_latency_s, k)
+            + rounds * (k - 1) / k * nbytes * min(stride, cluster.devices_per_node) / dev.inter_bw)
+
+
+def allreduce_time(nbytes: float, size: int, stride: int, cluster: ClusterSpec) -> float:
+    """Seconds of one all-reduce of ``nbytes`` per member over a group of ``size`` devices ``stride`` apart:
+    latency + 2(g-1)/g · bytes / bus bandwidth inside a node, hierarchical across nodes (``_ring``, 2 rounds)."""
+    return _ring(nbytes, size, stride, cluster, 2)
+
+
+def allgather_time(nbytes: float, size: int, stride: int, cluster: ClusterSpec) -> float:
+    """Seconds of one all-gather (or reduce-scatter) of a tensor of ``nbytes`` in all, 1/size per member, over
+    ``size`` devices ``stride`` apart: half an all-reduce, latency + (g-1)/g · bytes / bus bandwidth inside a
+    node (``_ring``, 1 round)."""
+    return _ring(nbytes, size, stride, cluster, 1)
+
+
+def fsdp_units(model: ModelSpec, layout: Layout) -> int:
+    """FSDP units of one pipeline stage: its decoder layers, each wrapped on its own, plus the root (embeddings,
+    final norm, head) as hybridflow's ``apply_fsdp2`` wraps them."""
+    return math.ceil(model.layers / layout.pp) + 1
+
+
+def _fsdp_comm(model: ModelSpec, layout: Layout, gathers: int, micro_batches: int, cluster: ClusterSpec,
+               params: CostParams) -> float:
+    """ZeRO-3 collectives of one device: per micro-batch and per FSDP unit, ``gathers`` all-gathers (or
+    reduce-scatters) over dp of the unit's share of the stage's weights, N·dtype_bytes / (tp·pp·units), each
+    plus ``collective_overhead_s``."""
+    if layout.dp == 1:
+        return 0.0
+    units = fsdp_units(model, layout)
+    unit_bytes = model.n_params * cluster.device.dtype_bytes / (layout.tp * layout.pp * units)
+    one = allgather_time(unit_bytes, layout.dp, layout.tp, cluster) + params.collective_overhead_s
+    return micro_batches * gathers * units * one
+
+
+def rank_share(busy_ranks: int, cores: int | None) -> float:
+    """Share of a core that each of ``busy_ranks`` single-threaded ranks gets on a node of ``cores`` cores:
+    min(1, cores / busy_ranks); 1 when ``cores`` is None (every device is its own processor).
+
+    Raises:
+        SpecError: ``busy_ranks`` < 1.
+    """
+    if busy_ranks < 1:
+        raise SpecError(f"rank_share: busy_ranks must be >= 1, got {busy_ranks}")
+    return 1.0 if cores is None else min(1.0, cores / busy_ranks)
+
+
+def contended(cluster: ClusterSpec, params: CostParams, busy_ranks: int) -> tuple[ClusterSpec, CostParams]:
+    """The cluster and cost parameters as seen by a group with ``busy_ranks`` busy ranks per node.
+
+    With s = ``rank_share(busy_ranks, cluster.cores_per_node)`` < 1, a rank holds a core only a fraction s of
+    the time, so everything it does on its core slows by s: peak FLOP/s, memory bandwidth and the intra-node
+    collective bandwidth (gloo copies through the CPU) are multiplied by s; the intra-node collective latency
+    (a ring step waits until the next rank is scheduled) and the per-decode-step and per-collective CPU
+    overheads are divided by s. The network between nodes and the driver's per-call overhead are unchanged.
+    With s = 1 both come back as given.
+    """
+    share = rank_share(busy_ranks, cluster.cores_per_node)
+    if share >= 1.0:
+        return cluster, params
+    dev = cluster.device
+    device = dataclasses.replace(dev, peak_flops=dev.peak_flops * share, mem_bw=dev.mem_bw * share,
+                                 intra_bw=dev.intra_bw * share, intra_latency_s=dev.intra_latency_s / share)
+    return (dataclasses.replace(cluster, device=device),
+            dataclasses.replace(params, decode_step_overhead_s=params.decode_step_overhead_s / share,
+                                collective_overhead_s=params.collective_overhead_s / share))
 
 
 def _tp_comm(model: ModelSpec, layout: Layout, n_allreduce_per_layer: int, micro_batches: int, tokens_per_micro: int,
@@ -182,8 +279,9 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     Each dp rank handles ceil(sequences / dp) sequences per epoch in micro-batches of ``micro_batch``; its
     stage does train_flops / (tp·pp) of them at ``train_mfu``, plus (4, or 6 with recompute) tp all-reduces per
     layer per micro-batch and 2 pipeline sends per micro-batch, all stretched by the pipeline bubble; then each
-    optimizer step all-reduces the gradient shard (N / (tp·pp) elements) over dp (x1.5 with ZeRO-3 for the
-    parameter all-gathers).
+    optimizer step all-reduces the gradient shard (N / (tp·pp) elements) over dp. With ZeRO-3 (FSDP) instead,
+    every micro-batch all-gathers each unit's parameters twice (forward, backward) and reduce-scatters its
+    gradients (``fsdp_units``; three all-gathers of the stage's weights per micro-batch).
     """
     dev = cluster.device
     per_rank = ceil_div(sequences, layout.dp)
@@ -193,9 +291,13 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     micro_total = micro_per_step * updates * epochs
     comm = (_tp_comm(model, layout, 6 if params.recompute else 4, micro_total, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 2, micro_total, micro_batch * seq_len, cluster))
+    if params.zero_stage >= 3:
+        comm += _fsdp_comm(model, layout, 3, micro_total, cluster, params)
+        sync = 0.0
+    else:
+        grad_bytes = model.n_params / (layout.tp * layout.pp) * dev.dtype_bytes
+        sync = allreduce_time(grad_bytes, layout.dp, layout.tp, cluster)
     pipe = (compute + comm) * _bubble(micro_per_step, layout.pp)
-    grad_bytes = model.n_params / (layout.tp * layout.pp) * dev.dtype_bytes
-    sync = allreduce_time(grad_bytes, layout.dp, layout.tp, cluster) * (1.5 if params.zero_stage >= 3 else 1.0)
     return pipe + sync * updates * epochs + params.call_overhead_s
 
 
@@ -203,7 +305,7 @@ def infer_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
                params: CostParams, *, micro_batch: int = 1) -> float:
     """Seconds of one forward pass over ``sequences`` sequences of ``seq_len`` tokens (log-probs, values,
     scores): forward_flops / devices at ``infer_mfu``, 2 tp all-reduces per layer and 1 pipeline send per
-    micro-batch, stretched by the pipeline bubble."""
+    micro-batch (with ZeRO-3, one all-gather per FSDP unit per micro-batch), stretched by the pipeline bubble."""
     dev = cluster.device
     per_rank = ceil_div(sequences, layout.dp)
     micro = max(1, ceil_div(per_rank, micro_batch))
@@ -211,6 +313,8 @@ def infer_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     compute = flops / (dev.peak_flops * params.infer_mfu)
     comm = (_tp_comm(model, layout, 2, micro, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 1, micro, micro_batch * seq_len, cluster))
+    if params.zero_stage >= 3:
+        comm += _fsdp_comm(model, layout, 1, micro, cluster, params)
     return (compute + comm) * _bubble(micro, layout.pp) + params.call_overhead_s
 
 
@@ -287,12 +391,22 @@ def generate_time(model: ModelSpec, layout: Layout, sequences: int, prompt_len: 
     return GenerateEstimate(seconds, waves, batch, batch * kv_tok * (prompt_len + response_len))
 
 
-def reshard_time(model: ModelSpec, train: Layout, gen: Layout, cluster: ClusterSpec) -> float:
+def reshard_time(model: ModelSpec, train: Layout, gen: Layout, cluster: ClusterSpec,
+                 params: CostParams | None = None) -> float:
     """Seconds of the 3D-HybridEngine's switch from the training layout to the generation layout (HybridFlow
     §5): each device all-gathers the weights its generation shard adds to its training shard,
     N·dtype_bytes·(1/(tp_g·pp_g) - 1/(tp·pp)) bytes, inside its micro-dp group (a node's network carries the
-    gathers of all its devices when the group spans nodes). Zero when the generation shard is no larger."""
+    gathers of all its devices when the group spans nodes). Zero when the generation shard is no larger.
+
+    With ZeRO-3 (``params.zero_stage`` 3) the training shard is also split over dp, so the generation shard
+    (N·dtype_bytes / (tp_g·pp_g)) is all-gathered from the g = tp·pp·dp / (tp_g·pp_g) devices that hold it,
+    tensor by tensor (``ModelSpec.n_tensors`` all-gathers; hybridflow's weight sync iterates the state dict).
+    """
     dev = cluster.device
+    if params is not None and params.zero_stage >= 3 and train.dp > 1:
+        group = train.size // (gen.tp * gen.pp)
+        gen_bytes = model.n_params * dev.dtype_bytes / (gen.tp * gen.pp)
+        return model.n_tensors * allgather_time(gen_bytes / model.n_tensors, group, 1, cluster)
     extra = model.n_params * dev.dtype_bytes * (1 / (gen.tp * gen.pp) - 1 / (train.tp * train.pp))
     if extra <= 0:
         return 0.0
@@ -301,13 +415,15 @@ def reshard_time(model: ModelSpec, train: Layout, gen: Layout, cluster: ClusterS
     return dev.inter_latency_s + extra * cluster.devices_per_node / dev.inter_bw
 
 
-def gen_extra_weight_bytes(model: ModelSpec, train: Layout | None, gen: Layout, dtype_bytes: int) -> float:
-    """Weight bytes per device that generation adds on top of the persistent shard (the whole generation shard
-    for a model without a training layout)."""
+def gen_extra_weight_bytes(model: ModelSpec, train: Layout | None, gen: Layout, dtype_bytes: int,
+                           zero_stage: int = 0) -> float:
+    """Weight bytes per device that generation adds on top of the persistent shard, N·dtype_bytes / (tp·pp),
+    / dp more with ZeRO-3 (the whole generation shard for a model without a training layout)."""
     gen_shard = model.n_params * dtype_bytes / (gen.tp * gen.pp)
     if train is None:
         return gen_shard
-    return max(0.0, gen_shard - model.n_params * dtype_bytes / (train.tp * train.pp))
+    train_shards = train.tp * train.pp * (train.dp if zero_stage >= 3 else 1)
+    return max(0.0, gen_shard - model.n_params * dtype_bytes / train_shards)
 
 
 # ---------------------------------------------------------------------------------------------- memory

@@ -31,8 +31,9 @@ GB = 1e9
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``hybridflow plan``."""
-    parser.add_argument("--cluster", required=True, metavar="NxD:DEVICE",
-                        help="NODES x DEVICES per node : device preset (A100-80G, H100, H200, cpu), e.g. 16x8:A100-80G")
+    parser.add_argument("--cluster", required=True, metavar="NxD:DEVICE[@CORES]",
+                        help="NODES x DEVICES per node : device preset (A100-80G, H100, H200, cpu), e.g. "
+                             "16x8:A100-80G; @CORES: CPU ranks share that many cores per node, e.g. 1x4:cpu@2")
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="ppo")
     parser.add_argument("--actor", required=True, metavar="MODEL",
                         help="preset (7B, 13B, 34B, 70B, tiny-arith) or a local HF model directory")
@@ -48,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--ppo-epochs", type=int, default=1)
     workload.add_argument("--ppo-updates", type=int, default=1, help="optimizer steps (mini-batches) per epoch")
     workload.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward per rank")
+    workload.add_argument("--forward-micro-batch", type=int, default=None,
+                          help="sequences per forward-only pass per rank (default: --micro-batch)")
     model = parser.add_argument_group("cost model")
     defaults = CostParams()
     model.add_argument("--train-mfu", type=float, default=defaults.train_mfu)
@@ -61,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS", help="fixed time per decode step (launches, sampling, Python)")
     model.add_argument("--call-overhead", type=float, default=defaults.call_overhead_s, metavar="SECONDS",
                        help="fixed time per model call (dispatch, data movement)")
+    model.add_argument("--overlap-sets", action="store_true",
+                       help="the paper's model: sets on different devices run a stage at the same time (default: "
+                            "one worker group at a time, as hybridflow's synchronous drivers run)")
     space = parser.add_argument_group("search")
     space.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size (default: node size)")
     space.add_argument("--max-pp", type=int, default=None, help="largest pipeline-parallel size")
@@ -87,10 +93,11 @@ def _models(args: argparse.Namespace, roles: tuple[str, ...]):
 def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     cluster = parse_cluster(args.cluster)
     workload = Workload(args.algorithm, args.batch, args.n, args.prompt_len, args.response_len, args.ppo_epochs,
-                        args.ppo_updates, args.micro_batch)
+                        args.ppo_updates, args.micro_batch, forward_micro_batch=args.forward_micro_batch)
     params = CostParams(train_mfu=args.train_mfu, infer_mfu=args.infer_mfu, gen_mbu=args.gen_mbu,
                         mem_usable=args.mem_usable, zero_stage=args.zero, recompute=not args.no_recompute,
-                        decode_step_overhead_s=args.decode_step_overhead, call_overhead_s=args.call_overhead)
+                        decode_step_overhead_s=args.decode_step_overhead, call_overhead_s=args.call_overhead,
+                        sequential_driver=not args.overlap_sets)
     space = SearchSpace(args.max_tp, args.max_pp, args.unit)
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
@@ -108,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     result = searcher.run(args.top_k)
     if args.json:
         print(json.dumps({"cluster": str(searcher.cluster), "devices": searcher.cluster.n_devices,
+                          "sequential_driver": searcher.params.sequential_driver,
                           "workload": _workload_dict(workload),
                           "models": {r: m.name for r, m in searcher.models.items()}, **result.to_dict()}))
     else:
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
 def _workload_dict(w: Workload) -> dict:
     return {"algorithm": w.algorithm, "batch": w.batch, "n": w.n, "prompt_len": w.prompt_len,
             "response_len": w.response_len, "ppo_epochs": w.ppo_epochs, "ppo_updates": w.ppo_updates,
-            "micro_batch": w.micro_batch}
+            "micro_batch": w.micro_batch, "forward_micro_batch": w.infer_micro_batch}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -168,6 +176,8 @@ def format_result(result: SearchResult, searcher: MappingSearch) -> str:
     out = [f"hybridflow plan: {wl.algorithm} on {cluster} ({cluster.n_devices} devices); "
            f"{wl.batch} prompts x {wl.n}, {wl.prompt_len} + {wl.response_len} tokens; models: "
            + ", ".join(f"{r} {m.name}" for r, m in searcher.models.items()),
+           "driver: " + ("one worker group at a time (stage = sum over sets)" if searcher.params.sequential_driver
+                         else "sets overlap (stage = slowest set; --overlap-sets)"),
            f"searched {result.placements} placements, {result.allocations} allocations "
            f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s", ""]
     if result.best is None:

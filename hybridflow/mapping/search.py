@@ -3,8 +3,17 @@
 For every placement (a partition of the models into sets; models of one set share devices and take turns), for
 every allocation of the cluster's devices to the sets, and for each model its best parallel layouts on its
 set's devices (``auto_parallel``), estimate the iteration time (``d_cost``): in each stage, models of one set
-add up and different sets run at the same time (the stage takes the slowest set); the iteration is the sum of
-its stages. Return the best plan and the runners-up.
+add up; the iteration is the sum of its stages. How sets on different devices combine depends on the driver
+(``CostParams.sequential_driver``):
+
+- sequential (the default; hybridflow's synchronous drivers call one worker group at a time and wait): sets
+  never overlap, a stage takes the sum of its sets' times, and while a set runs only its own ranks are busy;
+- overlapping (the paper's model, ``sequential_driver=False``): sets run a stage at the same time, the stage
+  takes the slowest set, and every device of a node may be busy at once.
+
+On CPU clusters whose ranks share cores (``ClusterSpec.cores_per_node``) the busy ranks per node set each
+rank's share of a core (``hybridflow.mapping.cost.contended``): min(set size, node size) for the sequential
+driver, the whole node for the overlapping one. Return the best plan and the runners-up.
 
 Search space and pruning:
 
@@ -41,6 +50,7 @@ from hybridflow.mapping.cost import (
     Layout,
     activation_bytes_infer,
     activation_bytes_train,
+    contended,
     gen_extra_weight_bytes,
     generate_kv_bytes_per_sequence,
     generate_time,
@@ -161,9 +171,12 @@ class SetEstimate:
 
 @dataclass(frozen=True)
 class Plan:
-    """A placement with its allocation and layouts; ``seconds`` is the estimated iteration time (d_cost)."""
+    """A placement with its allocation and layouts; ``seconds`` is the estimated iteration time (d_cost).
+    ``sequential_driver``: sets take turns (True) or run a stage at the same time (False; see the module
+    docstring)."""
 
     sets: tuple[SetEstimate, ...]
+    sequential_driver: bool = True
 
     @property
     def placement(self) -> Placement:
@@ -175,8 +188,9 @@ class Plan:
 
     @property
     def stage_seconds(self) -> dict[str, float]:
-        """Per stage, the slowest set (sets on different devices run at the same time)."""
-        return {stage: max(s.stage_seconds(stage) for s in self.sets) for stage in STAGES}
+        """Per stage, the sum over sets (sequential driver) or the slowest set (sets run at the same time)."""
+        combine = sum if self.sequential_driver else max
+        return {stage: combine(s.stage_seconds(stage) for s in self.sets) for stage in STAGES}
 
     @property
     def seconds(self) -> float:
@@ -348,6 +362,19 @@ class MappingSearch:
         self._gen_opts: dict[tuple[Layout, int], list[tuple[float, Layout, float, float]]] = {}
         self._gen_cache: dict[tuple[Layout, Work, int], GenerateEstimate] = {}
         self._kv_seq: dict[Layout, float] = {}
+        self._contended: dict[int, tuple[ClusterSpec, CostParams]] = {}
+
+    def busy_ranks(self, n: int) -> int:
+        """Busy ranks per node while a set of ``n`` devices runs: its own ranks on a node (min(n, node size)) with
+        the sequential driver; every device of the node when sets may run at the same time."""
+        dpn = self.cluster.devices_per_node
+        return min(n, dpn) if self.params.sequential_driver else dpn
+
+    def contended(self, n: int) -> tuple[ClusterSpec, CostParams]:
+        """The cluster and cost parameters as a set of ``n`` devices sees them (``cost.contended``; cached)."""
+        if n not in self._contended:
+            self._contended[n] = contended(self.cluster, self.params, self.busy_ranks(n))
+        return self._contended[n]
 
     # ------------------------------------------------------------------ layouts (auto_parallel)
 
@@ -378,7 +405,8 @@ class MappingSearch:
         key = (role, n)
         if prune and key in self._candidates:
             return self._candidates[key]
-        model, dev, wl, p = self.models[role], self.cluster.device, self.workload, self.params
+        model, dev, wl = self.models[role], self.cluster.device, self.workload
+        cluster, p = self.contended(n)
         role_works = [w for w in self._role_works(role) if w.kind != "generate"]
         trained = any(w.kind == "train" for w in role_works)
         out = []
@@ -387,16 +415,16 @@ class MappingSearch:
             phases, transient = [], 0.0
             for w in role_works:
                 if w.kind == "train":
-                    t = train_time(model, layout, w.sequences, wl.seq_len, self.cluster, p, epochs=wl.ppo_epochs,
+                    t = train_time(model, layout, w.sequences, wl.seq_len, cluster, p, epochs=wl.ppo_epochs,
                                    updates=wl.ppo_updates, micro_batch=wl.micro_batch)
                     micro_per_step = max(1, ceil_div(ceil_div(w.sequences, layout.dp),
                                                      wl.ppo_updates * wl.micro_batch))
                     act = activation_bytes_train(model, layout, wl.micro_batch, wl.seq_len, dev.dtype_bytes, p,
                                                  micro_per_step)
                 else:
-                    t = infer_time(model, layout, w.sequences, wl.seq_len, self.cluster, p,
-                                   micro_batch=wl.micro_batch)
-                    act = activation_bytes_infer(model, layout, wl.micro_batch, wl.seq_len, dev.dtype_bytes)
+                    t = infer_time(model, layout, w.sequences, wl.seq_len, cluster, p,
+                                   micro_batch=wl.infer_micro_batch)
+                    act = activation_bytes_infer(model, layout, wl.infer_micro_batch, wl.seq_len, dev.dtype_bytes)
                 phases.append(PhaseEstimate(role, w.kind, w.stage, layout, t, w.sequences))
                 transient = max(transient, act)
             memory = RoleMemory(role, layout, states["weights"], states["grads"], states["optimizer"], transient)
@@ -421,8 +449,8 @@ class MappingSearch:
                 gs = g.tp * g.pp
                 if shards % gs and gs % shards:
                     continue
-                extra = gen_extra_weight_bytes(model, train, g, dev.dtype_bytes)
-                reshard = reshard_time(model, train, g, self.cluster)
+                extra = gen_extra_weight_bytes(model, train, g, dev.dtype_bytes, self.params.zero_stage)
+                reshard = reshard_time(model, train, g, *self.contended(n))
                 bound = self._gen_phases(g, self.usable - extra)
                 if bound is not None:
                     out.append((sum(ph.seconds for ph in bound[0]) + reshard, g, extra, reshard))
@@ -445,8 +473,9 @@ class MappingSearch:
             key = (g, w, waves)
             est = self._gen_cache.get(key)
             if est is None:
+                cluster, params = self.contended(g.size)
                 est = generate_time(self.models["actor"], g, w.sequences, wl.prompt_len, wl.response_len,
-                                    kv_seq * ceil_div(ceil_div(w.sequences, g.dp), waves), self.cluster, self.params)
+                                    kv_seq * ceil_div(ceil_div(w.sequences, g.dp), waves), cluster, params)
                 self._gen_cache[key] = est
             out.append(PhaseEstimate("actor", "generate", w.stage, g, est.seconds, w.sequences, est.waves, est.batch,
                                      w.greedy))
@@ -586,7 +615,7 @@ class MappingSearch:
             if est is None:
                 return None
             sets.append(est)
-        return Plan(tuple(sets))
+        return Plan(tuple(sets), self.params.sequential_driver)
 
     def best_for_placement(self, placement: Sequence[Sequence[str]]) -> Plan | None:
         """The best allocation and layouts of one placement (None if it fits in no allocation)."""
@@ -611,7 +640,10 @@ class MappingSearch:
                 n_allocs += 1
                 sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
                 vectors = [s.stage_vector for s in sets]
-                total = sum(map(max, *vectors)) if len(vectors) > 1 else sum(vectors[0])
+                if self.params.sequential_driver or len(vectors) == 1:
+                    total = sum(map(sum, vectors))
+                else:
+                    total = sum(map(max, *vectors))
                 if placement not in by_placement or total < by_placement[placement][0]:
                     by_placement[placement] = (total, alloc)
                 item = (-total, -n_allocs, placement, alloc)

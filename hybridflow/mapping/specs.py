@@ -1,7 +1,7 @@
 """What the auto-mapper plans for: devices and clusters, model shapes, and the RL workload.
 
 Units used throughout ``hybridflow.mapping``: seconds, bytes, FLOP and FLOP/s, bytes/s; "device" is one GPU (or
-one CPU rank: a process with one core). Every spec is a frozen dataclass, so specs can key caches.
+one CPU rank: a process with one intra-op thread). Every spec is a frozen dataclass, so specs can key caches.
 
 Presets: devices ``A100-80G``, ``H100``, ``H200``, ``cpu`` (``DEVICE_PRESETS``); models ``7B``, ``13B``,
 ``34B``, ``70B`` (Llama-2 shapes; 34B is the Code Llama 34B shape with vocab 32000) and ``tiny-arith`` (the
@@ -42,9 +42,12 @@ class DeviceSpec:
         mem_bytes: device memory, bytes.
         intra_bw: per-device bus bandwidth of collectives inside a node (NVLink; gloo for CPU), bytes/s.
         inter_bw: network bandwidth of one node to the others (all its NICs together), bytes/s.
-        intra_latency_s: fixed cost of one collective inside a node, s.
-        inter_latency_s: fixed cost of one collective across nodes, s.
+        intra_latency_s: fixed cost of one collective inside a node (of one ring step with ``hop_latency``), s.
+        inter_latency_s: fixed cost of one collective across nodes (of one ring step with ``hop_latency``), s.
         dtype_bytes: bytes per element of weights, activations and KV cache (2: bf16 on GPU, 4: fp32 on CPU).
+        hop_latency: the latencies are paid on every step of a ring collective (2(g-1) steps for an all-reduce
+            of g members, g-1 for an all-gather or reduce-scatter), as gloo's ring algorithms do on CPU; False:
+            once per collective (NCCL's small messages, the paper's model).
     """
 
     name: str
@@ -56,6 +59,7 @@ class DeviceSpec:
     intra_latency_s: float
     inter_latency_s: float
     dtype_bytes: int = 2
+    hop_latency: bool = False
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -64,12 +68,15 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "A100-80G": DeviceSpec("A100-80G", 312e12, 2.0e12, 80 * GB, 600e9 / 2, 200e9 / 8, 10e-6, 30e-6),
     "H100": DeviceSpec("H100", 989e12, 3.35e12, 80 * GB, 900e9 / 2, 8 * 400e9 / 8, 10e-6, 30e-6),
     "H200": DeviceSpec("H200", 989e12, 4.8e12, 141 * GB, 900e9 / 2, 8 * 400e9 / 8, 10e-6, 30e-6),
-    # One rank of the 2-core, 24 GB development machine, measured with torch 2.13: a 1024^3 fp32 matmul runs at
-    # ~115 GFLOP/s with 2 threads (so half per rank when both cores are busy); a 256 MB tensor copy moves
-    # ~21 GB/s read+write (half per rank); memory is split between the 2 ranks; gloo all-reduce of 64 MB
-    # between 2 local processes: ~0.9 GB/s bus bandwidth, a 1 KB all-reduce ~1.4 ms (a loaded machine).
-    # A cluster with more CPU ranks than cores oversubscribes them: divide these by the oversubscription.
-    "cpu": DeviceSpec("cpu", 115e9 / 2, 21e9 / 2, 24 * GB / 2, 0.9e9, 0.9e9, 1.4e-3, 1.4e-3, dtype_bytes=4),
+    # One rank (one process, one intra-op thread: one core) of the 2-core, 24 GB development machine, measured
+    # with torch 2.13: a 1024^3 fp32 matmul runs at ~115 GFLOP/s with 2 threads (so half per core); a 256 MB
+    # tensor copy moves ~21 GB/s read+write (half per core); memory is split between 2 ranks; gloo all-reduce
+    # of 64 MB between 2 local processes: ~0.9 GB/s bus bandwidth, a 1 KB all-reduce ~1.4 ms (a loaded
+    # machine), i.e. 0.7 ms per ring step (2 steps for 2 ranks; ~0.3-0.4 ms on a lightly loaded machine).
+    # Ranks that outnumber the cores share them: ``ClusterSpec.cores_per_node`` (``hybridflow.mapping.cost.
+    # contended`` slows a rank's rates and stretches its ring steps by its share of a core).
+    "cpu": DeviceSpec("cpu", 115e9 / 2, 21e9 / 2, 24 * GB / 2, 0.9e9, 0.9e9, 0.7e-3, 0.7e-3, dtype_bytes=4,
+                      hop_latency=True),
 }
 
 
@@ -87,35 +94,46 @@ def get_device(name: str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """``nodes`` machines of ``devices_per_node`` identical devices each."""
+    """``nodes`` machines of ``devices_per_node`` identical devices each.
+
+    ``cores_per_node``: for CPU ranks, the cores that one node's ranks share (each rank runs one intra-op
+    thread); None: every device is a processor of its own (GPUs, or one core per CPU rank).
+    """
 
     nodes: int
     devices_per_node: int
     device: DeviceSpec
+    cores_per_node: int | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
             raise SpecError(f"a cluster needs >= 1 node and >= 1 device per node, got {self.nodes} x "
                             f"{self.devices_per_node}")
+        if self.cores_per_node is not None and self.cores_per_node < 1:
+            raise SpecError(f"a cluster's cores_per_node must be >= 1 (or None), got {self.cores_per_node}")
 
     @property
     def n_devices(self) -> int:
         return self.nodes * self.devices_per_node
 
     def __str__(self) -> str:
-        return f"{self.nodes}x{self.devices_per_node}:{self.device.name}"
+        cores = "" if self.cores_per_node is None else f"@{self.cores_per_node}"
+        return f"{self.nodes}x{self.devices_per_node}:{self.device.name}{cores}"
 
 
 def parse_cluster(text: str) -> ClusterSpec:
-    """Parse ``NODESxDEVICES:PRESET``, e.g. ``16x8:A100-80G`` or ``1x4:cpu``.
+    """Parse ``NODESxDEVICES:PRESET[@CORES]``, e.g. ``16x8:A100-80G``, ``1x4:cpu`` or ``1x4:cpu@2`` (4 CPU ranks
+    sharing 2 cores per node: ``ClusterSpec.cores_per_node``).
 
     Raises:
         SpecError: not of that form, or an unknown device preset.
     """
-    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*:\s*(\S+)\s*", text)
+    match = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*:\s*([^\s@]+)\s*(?:@\s*(\d+)\s*)?", text)
     if not match:
-        raise SpecError(f"cluster {text!r}: expected NODESxDEVICES:DEVICE, e.g. 16x8:A100-80G or 1x4:cpu")
-    return ClusterSpec(int(match[1]), int(match[2]), get_device(match[3]))
+        raise SpecError(f"cluster {text!r}: expected NODESxDEVICES:DEVICE[@CORES], e.g. 16x8:A100-80G, 1x4:cpu "
+                        f"or 1x4:cpu@2")
+    cores = int(match[4]) if match[4] is not None else None
+    return ClusterSpec(int(match[1]), int(match[2]), get_device(match[3]), cores)
 
 
 @dataclass(frozen=True)
@@ -157,6 +175,13 @@ class ModelSpec:
         """All parameters: embedding, layers, final norm, and the LM head (or a scalar value head)."""
         head = self.hidden if self.value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
         return self.vocab * self.hidden + self.layers * self.layer_params + self.hidden + head
+
+    @property
+    def n_tensors(self) -> int:
+        """Parameter tensors: 9 per layer (q, k, v, o; gate, up, down; 2 norms), the embedding, the final norm,
+        and the LM head unless tied (a value head is one more tensor)."""
+        head = 1 if self.value_head or not self.tied_embeddings else 0
+        return 9 * self.layers + 2 + head
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV-cache bytes of one token over all layers: 2 (K and V) x layers x kv_heads x head_dim x dtype_bytes."""
@@ -246,6 +271,8 @@ class Workload:
         ppo_updates: optimizer steps (mini-batches) per epoch.
         micro_batch: sequences per forward/backward on one data-parallel rank (sets activation memory and the
             number of pipeline micro-batches).
+        forward_micro_batch: sequences per forward-only pass on one data-parallel rank (log-probs, values,
+            scores; verl's ``log_prob_micro_batch_size_per_gpu``); None: ``micro_batch``.
         actor_logprob: the actor recomputes the old log-probs in the preparation stage (verl and hybridflow do).
     """
 
@@ -258,12 +285,15 @@ class Workload:
     ppo_updates: int = 1
     micro_batch: int = 1
     actor_logprob: bool = True
+    forward_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise SpecError(f"unknown algorithm {self.algorithm!r}; known: {', '.join(ALGORITHMS)}")
         counts = {k: getattr(self, k) for k in ("batch", "n", "prompt_len", "response_len", "ppo_epochs",
                                                 "ppo_updates", "micro_batch")}
+        if self.forward_micro_batch is not None:
+            counts["forward_micro_batch"] = self.forward_micro_batch
         bad = [f"{k}={v}" for k, v in counts.items() if v < 1]
         if bad:
             raise SpecError(f"workload: every count must be >= 1, got {', '.join(bad)}")
@@ -279,6 +309,11 @@ class Workload:
     @property
     def seq_len(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def infer_micro_batch(self) -> int:
+        """Sequences per forward-only micro-batch: ``forward_micro_batch``, else ``micro_batch``."""
+        return self.micro_batch if self.forward_micro_batch is None else self.forward_micro_batch
 
     @property
     def roles(self) -> tuple[str, ...]:

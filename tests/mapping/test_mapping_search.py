@@ -149,10 +149,11 @@ def _check_memory(plan, size, cluster, params):
             assert ph.layout.pp * ph.layout.tp * ph.layout.dp == est.devices
 
 
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential-driver", "paper-overlap"])
 @pytest.mark.parametrize("size, nodes", [("7B", 2), ("13B", 8), ("70B", 16)])
-def test_paper_scale_chosen_plan_beats_baselines_and_fits(size, nodes):
+def test_paper_scale_chosen_plan_beats_baselines_and_fits(size, nodes, sequential):
     cluster = ClusterSpec(nodes, 8, A100)
-    params = CostParams()
+    params = CostParams(sequential_driver=sequential)
     result = search(_models(size), Workload(), cluster, params)
     best = result.best
     assert best is not None and best.seconds > 0
@@ -164,9 +165,11 @@ def test_paper_scale_chosen_plan_beats_baselines_and_fits(size, nodes):
         assert sum(plan.allocation) == cluster.n_devices
 
 
-def test_search_for_128_gpus_and_4_models_is_fast():
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential-driver", "paper-overlap"])
+def test_search_for_128_gpus_and_4_models_is_fast(sequential):
     start = time.perf_counter()
-    result = search(_models("13B"), Workload(), parse_cluster("16x8:A100-80G"))
+    params = CostParams(sequential_driver=sequential)
+    result = search(_models("13B"), Workload(), parse_cluster("16x8:A100-80G"), params)
     assert time.perf_counter() - start <= 60
     assert result.placements == 15 and result.allocations > 100
 

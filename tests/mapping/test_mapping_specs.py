@@ -30,6 +30,11 @@ def test_parse_cluster():
         parse_cluster("2x8:V100")
     with pytest.raises(SpecError, match=">= 1 node"):
         ClusterSpec(0, 8, get_device("H100"))
+    shared = parse_cluster("1x4:cpu@2")
+    assert (shared.n_devices, shared.cores_per_node, str(shared)) == (4, 2, "1x4:cpu@2")
+    assert parse_cluster("1x4:cpu").cores_per_node is None and str(parse_cluster("2x8:H100")) == "2x8:H100"
+    with pytest.raises(SpecError, match="cores_per_node must be >= 1"):
+        parse_cluster("1x4:cpu@0")
 
 
 def test_device_presets():

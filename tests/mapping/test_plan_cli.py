@@ -29,6 +29,18 @@ def test_json_output(capsys):
     assert sum(out["best"]["allocation"]) == 16
 
 
+def test_overlap_sets_and_shared_cores(capsys):
+    args = ["plan", "--cluster", "1x4:cpu@2", "--actor", "tiny-arith", "--reward", "rule", "--batch", "32",
+            "--forward-micro-batch", "16", "--json"]
+    assert main(args) == 0
+    seq = json.loads(capsys.readouterr().out)
+    assert seq["sequential_driver"] is True and seq["cluster"] == "1x4:cpu@2"
+    assert seq["workload"]["forward_micro_batch"] == 16
+    assert seq["best"]["seconds"] == pytest.approx(sum(seq["best"]["stages"].values()), abs=1e-3)
+    assert main(args + ["--overlap-sets"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequential_driver"] is False
+
+
 def test_table_output(capsys):
     assert main(CPU_ARGS) == 0
     out = capsys.readouterr().out
