@@ -8,20 +8,29 @@ Policy-loss registry
 Every registered policy loss has one signature, so the actor calls any of them the same way::
 
     fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-       **agg_kwargs) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
+       rollout_log_probs=None, **agg_kwargs) -> (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 ``config`` is the actor config (``actor_rollout_ref.actor``: a dataclass or an OmegaConf
-DictConfig, read by attribute) from which the loss takes its hyper-parameters; ``agg_kwargs``
-(``num_tokens``, ``num_seqs``, ``loss_scale_factor``) go to :func:`agg_loss`. ``pg_loss`` is a
-differentiable scalar; the other three are detached scalar metrics. Add a loss with
-``@register_policy_loss("name")`` and select it with ``actor.policy_loss=name``.
+DictConfig, read by attribute) from which the loss takes its hyper-parameters;
+``rollout_log_probs`` (keyword, ``(B, T)`` float32 or None) are the log-probs the rollout recorded
+when it sampled each token (the behaviour policy ``mu`` of an asynchronous or mismatched
+generator); ``agg_kwargs`` (``num_tokens``, ``num_seqs``, ``loss_scale_factor``) go to
+:func:`agg_loss`. ``pg_loss`` is a differentiable scalar; the other three are detached scalar
+metrics. Add a loss with ``@register_policy_loss("name")`` (it must have a ``rollout_log_probs``
+parameter, even if it ignores it) and select it with ``actor.policy_loss=name``.
 ``compute_policy_loss`` keeps verl's direct signature (explicit clip ranges) and is what
-``"vanilla"`` calls.
+``"vanilla"`` computes.
+
+Truncated importance sampling (TIS) of the rollout/trainer mismatch: with
+``actor.tis_imp_ratio_cap > 0``, ``"vanilla"`` and ``"gspo"`` multiply their per-token loss by
+the constant ``min(exp(old_log_prob - rollout_log_probs), cap)`` before aggregation (see
+:func:`_tis_weights`). ``"aipo"`` corrects the same gap with its own cap ``actor.aipo_rho``.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any, Callable, Optional, Union
 
@@ -234,6 +243,15 @@ def compute_policy_loss(
     Raises:
         ValueError: no clip range given, ``clip_ratio_c <= 1``, or input shapes differ.
     """
+    pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_token_losses(
+        old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low, cliprange_high, clip_ratio_c)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def _ppo_clip_token_losses(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low,
+                           cliprange_high, clip_ratio_c):
+    """Per-token losses ``(B, T)`` of :func:`compute_policy_loss` (0 on padding) and its three metrics."""
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
                       response_mask=response_mask)
     low = cliprange if cliprange_low is None else cliprange_low
@@ -257,12 +275,11 @@ def compute_policy_loss(
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(clipped, dual_cap), clipped)
 
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():
         pg_clipfrac = masked_mean((surrogate_clipped > surrogate).float(), response_mask)
         pg_clipfrac_lower = masked_mean((negative & (clipped > dual_cap)).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+    return pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 def compute_value_loss(
@@ -316,8 +333,24 @@ POLICY_LOSSES: Registry = Registry("policy loss")
 
 
 def register_policy_loss(name: str):
-    """Decorator registering a policy loss under ``name`` (signature: see the module docstring)."""
-    return POLICY_LOSSES.register(name)
+    """Decorator registering a policy loss under ``name`` (signature: see the module docstring).
+
+    The actor always passes ``rollout_log_probs=`` as a keyword; a loss that only has ``**agg_kwargs``
+    would forward it to :func:`agg_loss` and fail in the middle of training, so it is refused here.
+
+    Raises:
+        TypeError: the function has no ``rollout_log_probs`` parameter.
+        ValueError: ``name`` is taken by a different function, or empty.
+    """
+    register = POLICY_LOSSES.register(name)
+
+    def decorator(fn: Callable) -> Callable:
+        if "rollout_log_probs" not in inspect.signature(fn).parameters:
+            raise TypeError(f"policy loss {name!r} ({fn.__module__}.{fn.__qualname__}) must accept the keyword "
+                            "rollout_log_probs=None (see hybridflow.algorithms.losses for the common signature)")
+        return register(fn)
+
+    return decorator
 
 
 def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -329,6 +362,50 @@ def get_policy_loss_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Ten
     return POLICY_LOSSES.get(name)
 
 
+def _tis_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_probs: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+    config: Any,
+    loss: str,
+) -> Optional[torch.Tensor]:
+    """Truncated importance-sampling weights of the rollout/trainer mismatch, or None when TIS is off.
+
+    With ``cap = config.tis_imp_ratio_cap`` (off when missing or ``<= 0``), per token
+    ``w = min(exp(old_log_prob - rollout_log_probs), cap)``: the ratio of the trainer's behaviour
+    log-probs to those the rollout engine actually sampled with (they differ by kernels, precision
+    or a quantized/stale generator), truncated at ``cap`` -- truncated importance sampling
+    (Ionides 2008; applied to the rollout/trainer gap by Yao et al. 2025, "Your efficient RL
+    framework secretly brings you off-policy RL training", and verl's ``tis_imp_ratio_cap``). The
+    log-ratio is clamped to ``[-20, 20]`` before ``exp``; the weights carry no gradient.
+
+    Args:
+        old_log_prob: ``(B, T)`` behaviour log-probs recomputed by the trainer.
+        rollout_log_probs: ``(B, T)`` float32 log-probs recorded by the rollout, or None.
+        response_mask: ``(B, T)`` 0/1; padded entries get ``min(1, cap)`` (their loss is 0 anyway).
+        config: the actor config, read by attribute.
+        loss: the policy-loss name, for the error message.
+
+    Returns:
+        ``(B, T)`` detached weights in ``(0, cap]``, or None.
+
+    Raises:
+        ValueError: TIS is on but ``rollout_log_probs`` is None, or its shape differs.
+    """
+    cap = getattr(config, "tis_imp_ratio_cap", None)
+    if cap is None or cap <= 0:
+        return None
+    if rollout_log_probs is None:
+        raise ValueError(f"actor.tis_imp_ratio_cap={cap} turns on truncated importance sampling in policy loss "
+                         f"{loss!r}, which needs rollout_log_probs (the rollout's sampling log-probs); got None. "
+                         "Set actor.tis_imp_ratio_cap=-1 to turn it off, or keep rollout_log_probs in the batch")
+    _check_same_shape(old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs)
+    valid = response_mask != 0
+    log_ratio = torch.where(valid, old_log_prob.detach() - rollout_log_probs.detach(),
+                            torch.zeros_like(old_log_prob))
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=float(cap))
+
+
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,
@@ -337,22 +414,33 @@ def compute_policy_loss_vanilla(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Registry form of :func:`compute_policy_loss`.
+    """Registry form of :func:`compute_policy_loss`, with optional truncated importance sampling.
 
     Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` and ``clip_ratio_c`` (default 3.0)
     from ``config`` (the actor config) by attribute; see :func:`compute_policy_loss` for the rest.
+    With ``config.tis_imp_ratio_cap > 0`` each token's clipped loss is multiplied by the constant
+    :func:`_tis_weights` ``min(exp(old_log_prob - rollout_log_probs), cap)`` before aggregation;
+    ``rollout_log_probs`` (``(B, T)`` float32) is otherwise unused. The three metrics are those of
+    :func:`compute_policy_loss` (unweighted).
+
+    Raises:
+        ValueError: see :func:`compute_policy_loss`; TIS on without ``rollout_log_probs``.
     """
-    return compute_policy_loss(
+    pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_token_losses(
         old_log_prob, log_prob, advantages, response_mask,
         cliprange=getattr(config, "clip_ratio", None),
         cliprange_low=getattr(config, "clip_ratio_low", None),
         cliprange_high=getattr(config, "clip_ratio_high", None),
         clip_ratio_c=getattr(config, "clip_ratio_c", 3.0),
-        loss_agg_mode=loss_agg_mode,
-        **agg_kwargs,
     )
+    tis = _tis_weights(old_log_prob, rollout_log_probs, response_mask, config, "vanilla")
+    if tis is not None:
+        pg_losses = pg_losses * tis
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
 
 
 def _clip_range(config: Any, loss: str) -> tuple[float, float]:
@@ -386,6 +474,7 @@ def compute_policy_loss_gspo(
     response_mask: torch.Tensor,
     loss_agg_mode: str = GSPO_LOSS_AGG_MODE,
     config: Any = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """GSPO: PPO-style clipping of a sequence-level importance ratio (Zheng et al. 2025, arXiv 2507.18071).
@@ -408,7 +497,9 @@ def compute_policy_loss_gspo(
 
     ``loss_agg_mode``: GSPO's objective averages over sequences and then tokens, so the loss always
     uses ``"seq-mean-token-mean"``; any other value is ignored (a warning is logged once per
-    value). ``agg_kwargs`` are forwarded (``num_seqs`` is the one this mode uses; pass the
+    value). With ``config.tis_imp_ratio_cap > 0`` each ``l_{i,t}`` is multiplied by the constant
+    token weight ``min(exp(old_log_prob - rollout_log_probs), cap)`` (:func:`_tis_weights`) before
+    aggregation, as for ``"vanilla"``. ``agg_kwargs`` are forwarded (``num_seqs`` is the one this mode uses; pass the
     mini-batch total when accumulating micro-batches). Only ``log_prob`` receives a gradient;
     ``old_log_prob`` and ``advantages`` are treated as constants.
 
@@ -423,6 +514,7 @@ def compute_policy_loss_gspo(
         response_mask: ``(B, T)`` 0/1 mask of valid response tokens.
         loss_agg_mode: ignored unless ``"seq-mean-token-mean"`` (see above).
         config: actor config read by attribute.
+        rollout_log_probs: ``(B, T)`` float32 sampling log-probs of the rollout; used only by TIS.
         **agg_kwargs: ``num_seqs`` (and, unused here, ``num_tokens`` / ``loss_scale_factor``).
 
     Returns:
@@ -431,11 +523,13 @@ def compute_policy_loss_gspo(
         level, clamped like the log-ratio); 0 (GSPO has no dual-clip). The last three are detached.
 
     Raises:
-        ValueError: no clip range in ``config``, or input shapes differ.
+        ValueError: no clip range in ``config``, input shapes differ, or TIS is on without
+            ``rollout_log_probs``.
     """
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
                       response_mask=response_mask)
     low, high = _clip_range(config, "gspo")
+    tis = _tis_weights(old_log_prob, rollout_log_probs, response_mask, config, "gspo")
     if loss_agg_mode != GSPO_LOSS_AGG_MODE:
         _warn_gspo_agg_mode(loss_agg_mode)
 
@@ -451,9 +545,86 @@ def compute_policy_loss_gspo(
     surrogate = -advantages * ratio
     surrogate_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     pg_losses = torch.maximum(surrogate, surrogate_clipped)
+    if tis is not None:
+        pg_losses = pg_losses * tis
 
     pg_loss = agg_loss(pg_losses, response_mask, GSPO_LOSS_AGG_MODE, **agg_kwargs)
     with torch.no_grad():
         pg_clipfrac = masked_mean((surrogate_clipped > surrogate).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl)
+
+
+@register_policy_loss("aipo")
+def compute_policy_loss_aipo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AIPO: policy gradient with truncated importance weights on the generator's policy.
+
+    Asynchronous Importance-weighted Policy Optimization of LlamaRL (Meta 2025, arXiv 2505.24034):
+    a token sampled by a stale generator policy ``mu`` is trained on by the current policy
+    ``pi_theta`` with the weight ``w = min(pi_theta / mu, rho)``, which is held constant (``sg``:
+    stop-gradient)::
+
+        l_t = -sg(w_t) * A_t * log pi_theta(y_t),   w_t = min(exp(log pi_theta(y_t) - log mu(y_t)), rho)
+
+    so ``grad l_t = -(pi/mu) A_t grad log pi`` (the importance-weighted policy gradient) while
+    ``pi/mu <= rho`` and ``-rho A_t grad log pi`` above it; the cap bounds the variance a very stale
+    token can add. There is no PPO clipping. The log-ratio is clamped to ``[-20, 20]`` before
+    ``exp``. The ``l_t`` are reduced by :func:`agg_loss` with ``loss_agg_mode`` and ``agg_kwargs``
+    (with ``"token-mean"``: ``d pg_loss / d log_prob_t = -w_t A_t / N_tok``). The value of
+    ``pg_loss`` is a surrogate (it scales with ``log pi``); only its gradient is meaningful.
+
+    ``mu`` is ``rollout_log_probs`` when given (the log-probs the generator recorded while
+    sampling), else ``old_log_prob`` (then ``mu`` is whatever policy the caller recomputed them
+    with). ``actor.tis_imp_ratio_cap`` is ignored: ``rho`` already truncates the same ratio. Only
+    ``log_prob`` receives a gradient; ``old_log_prob``, ``rollout_log_probs`` and ``advantages`` are
+    constants.
+
+    Args:
+        old_log_prob: ``(B, T)`` behaviour log-probs; ``mu`` when ``rollout_log_probs`` is None.
+        log_prob: ``(B, T)`` log-probs of the current policy (differentiable).
+        advantages: ``(B, T)`` advantages.
+        response_mask: ``(B, T)`` 0/1 mask of valid response tokens.
+        loss_agg_mode: see :func:`agg_loss`.
+        config: actor config read by attribute; ``aipo_rho`` is the cap ``rho > 0``.
+        rollout_log_probs: ``(B, T)`` float32 log-probs of the generator that sampled each token.
+        **agg_kwargs: ``num_tokens`` / ``num_seqs`` / ``loss_scale_factor`` for :func:`agg_loss`.
+
+    Returns:
+        ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``: the scalar loss; the fraction of valid
+        tokens whose ratio ``pi/mu`` exceeds ``rho`` (capped); the masked mean of
+        ``log mu - log pi`` (clamped like the log-ratio; an estimate of KL(mu || pi)); 0. The last
+        three are detached.
+
+    Raises:
+        ValueError: ``config.aipo_rho`` missing or not > 0, or input shapes differ.
+    """
+    rho = getattr(config, "aipo_rho", None)
+    if rho is None or not rho > 0:
+        raise ValueError(f"policy loss 'aipo' needs actor.aipo_rho > 0 (the importance-weight cap rho), got {rho!r}")
+    mu_log_prob = old_log_prob if rollout_log_probs is None else rollout_log_probs
+    _check_same_shape(mu_log_prob=mu_log_prob, log_prob=log_prob, advantages=advantages,
+                      response_mask=response_mask)
+
+    valid = response_mask != 0
+    zeros = torch.zeros_like(log_prob)
+    advantages = torch.where(valid, advantages.detach(), zeros)
+    log_ratio = torch.where(valid, log_prob.detach() - mu_log_prob.detach(), zeros)
+    log_ratio = torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=float(rho))  # detached: log_ratio was built from detached inputs
+    pg_losses = -weight * advantages * torch.where(valid, log_prob, zeros)
+
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((ratio > rho).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, torch.zeros_like(ppo_kl)

@@ -35,7 +35,8 @@ from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
 CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
-    "algorithm.driver": ("ppo", "remax", "safe_rlhf"),
+    "algorithm.driver": ("ppo", "remax", "safe_rlhf", "async"),
+    "async_training.generator_quantization": ("none", "int8"),
     "reward_model.combine": ("sum", "model"),
     "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "cost_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -94,6 +95,7 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
      lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
+    (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
     (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
     (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
@@ -433,10 +435,39 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
         if get("cost_model.rule") is None and not get("cost_model.enable"):
             problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
                             "subtraction_before_last_step) and/or cost_model.enable=true with cost_model.model.path")
+    if driver == "async":
+        problems.extend(_async_problems(get))
+    if get("algorithm.bypass_old_log_prob"):
+        if driver not in ("ppo", "async"):
+            problems.append(f"algorithm.bypass_old_log_prob=true is supported by the drivers ppo and async, got "
+                            f"algorithm.driver={driver}")
+        if (get("actor_rollout_ref.actor.tis_imp_ratio_cap") or -1) > 0:
+            problems.append("algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so "
+                            "actor.tis_imp_ratio_cap would weight every token by 1: turn one of them off")
     lam = "algorithm.lagrangian"
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:
         problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
+    return problems
+
+
+def _async_problems(get: Callable[[str], Any]) -> list[str]:
+    """The async driver needs its generators on a pool of their own and a non-negative staleness bound."""
+    problems = []
+    mapping = get("resource_pool.mapping") or {}
+    generator, actor = mapping.get("generator"), mapping.get("actor", "global_pool")
+    if generator is None or generator == actor:
+        problems.append("algorithm.driver=async runs the generators on their own devices: set "
+                        "resource_pool.pools with a pool for them and resource_pool.mapping.generator to it (not the "
+                        f"actor's pool {actor!r}), e.g. resource_pool.pools={{trainer: [1], gen: [1]}} "
+                        "resource_pool.mapping={actor: trainer, generator: gen}")
+    k, queue = get("async_training.max_staleness"), get("async_training.queue_size")
+    if k < 0:
+        problems.append(f"async_training.max_staleness must be >= 0, got {k}")
+    if queue is not None and queue < 1:
+        problems.append(f"async_training.queue_size must be null or >= 1, got {queue}")
+    if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
+        problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
     return problems
 
 

@@ -54,6 +54,9 @@ class ActorConfig:
     clip_ratio_high: Optional[float] = None  # upper clip epsilon (asymmetric clipping)
     clip_ratio_c: float = 3.0  # dual-clip constant c > 1 for negative advantages (Ye et al. 2020)
     policy_loss: str = "vanilla"  # policy-loss registry name
+    aipo_rho: float = 4.0  # AIPO cap rho on the importance weight pi/mu (policy_loss=aipo; LlamaRL suggests 2-10)
+    # truncated importance sampling: weight vanilla/gspo token losses by min(exp(old - rollout logprob), cap); <= 0 off
+    tis_imp_ratio_cap: float = -1.0
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     entropy_coeff: float = 0.0  # entropy bonus coefficient
     use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
@@ -142,13 +145,17 @@ class LagrangianConfig:
 @dataclass
 class AlgorithmConfig:
     # which driver runs the step: ppo (the PPO family: gae, grpo, rloo, reinforce_plus_plus, ...), remax (greedy
-    # baseline, Li et al. 2023) or safe_rlhf (reward + cost critics and a Lagrange multiplier, Dai et al. 2023)
+    # baseline, Li et al. 2023), safe_rlhf (reward + cost critics and a Lagrange multiplier, Dai et al. 2023) or
+    # async (the PPO family with generators on their own devices running ahead of the trainer; async_training)
     driver: str = "ppo"
     adv_estimator: str = "gae"  # advantage-estimator registry name
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
     norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std
     use_kl_in_reward: bool = False  # subtract beta * KL(actor || ref) from the token rewards
+    # use the rollout's sampling logprobs as old_log_probs instead of recomputing them with the actor (saves a
+    # forward; like verl's rollout-correction bypass mode and LlamaRL, whose AIPO needs only mu)
+    bypass_old_log_prob: bool = False
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     lagrangian: LagrangianConfig = field(default_factory=LagrangianConfig)  # used by driver safe_rlhf
@@ -223,7 +230,7 @@ class ResourcePoolConfig:
     # trainer.n_gpus_per_node ranks on each of trainer.nnodes nodes
     pools: Optional[dict[str, list[int]]] = None
     # role -> pool name for the roles actor (actor+rollout+ref), critic, reward (rule reward and rule cost),
-    # reward_model, cost_model, cost_critic; a role not listed goes to "global_pool". Roles mapped to the same
+    # reward_model, cost_model, cost_critic, generator (driver async only); a role not listed goes to "global_pool". Roles mapped to the same
     # pool share its devices and take turns (colocation).
     mapping: dict[str, str] = field(default_factory=dict)
 
@@ -240,6 +247,16 @@ class ParallelLayoutConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    # algorithm.driver=async (LlamaRL, arXiv 2505.24034): generators on their own pool (resource_pool.mapping.
+    # generator) keep sampling while the trainer (the actor's pool) updates; weights are pushed after every update
+    max_staleness: int = 1  # k: a sample of policy version v is trained on only while the trainer's version <= v + k
+    queue_size: Optional[int] = None  # generation requests (batches) in flight; None means max_staleness + 1
+    generator_quantization: str = "none"  # none | int8 (generator weights int8 per output channel; hf backend)
+    weight_sync_timeout_s: float = 60.0  # a weight transfer waiting longer (a dead or missing peer) raises
+
+
+@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -250,3 +267,4 @@ class HybridFlowConfig:
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
     layouts: ParallelLayoutConfig = field(default_factory=ParallelLayoutConfig)  # written by `hybridflow plan`
     cost_model: CostConfig = field(default_factory=CostConfig)  # the cost of driver safe_rlhf
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # driver async

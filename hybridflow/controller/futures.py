@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-__all__ = ["DataProtoFuture", "WorkerError", "get_outputs"]
+__all__ = ["DataProtoFuture", "WorkerError", "get_outputs", "get_outputs_many"]
 
 
 class WorkerError(RuntimeError):
@@ -46,15 +46,27 @@ def get_outputs(refs: Sequence[ray.ObjectRef], ranks: Sequence[int], group: str,
     Raises:
         WorkerError: a rank raised (``RayTaskError``) or its actor died (``RayActorError``).
     """
-    rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
-    pending = list(refs)
+    return get_outputs_many([(refs, ranks, group, method)])[0]
+
+
+def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int], str, str]]) -> list[list[Any]]:
+    """Wait for several calls, possibly of different groups running together (e.g. a sender and its receivers),
+    each ``(refs, their ranks, group, method)``; returns their outputs. The first failure of any of them is
+    raised at once as a ``WorkerError``, so a rank whose peer died is not waited for.
+
+    Raises:
+        WorkerError: a rank raised or its actor died (names the group, rank and method).
+    """
+    where = {ref: (group, rank, method) for refs, ranks, group, method in calls for ref, rank in zip(refs, ranks)}
+    pending = list(where)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(ready[0])
         except (RayTaskError, RayActorError) as err:
-            raise WorkerError(group, rank_of[ready[0]], method, err) from err
-    return ray.get(list(refs))
+            group, rank, method = where[ready[0]]
+            raise WorkerError(group, rank, method, err) from err
+    return [ray.get(list(refs)) for refs, _, _, _ in calls]
 
 
 class _SelectChunk:

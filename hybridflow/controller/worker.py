@@ -44,8 +44,24 @@ def _node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+#: where rank 0 looks for its rendezvous port: above Ray's worker ports (10002-19999 by default) and below the
+#: OS's ephemeral range (32768+ on Linux), which outgoing connections (Ray's gRPC among them) draw from, so a
+#: port found free here is rarely taken again before torch.distributed binds it
+_PORT_RANGE = (20000, 32767)
+
+
 def _free_port() -> int:
-    """A TCP port that was free a moment ago (the OS picks it; another process could take it first)."""
+    """A TCP port that was free a moment ago: a random one in ``_PORT_RANGE`` (else any the OS picks). Another
+    process could still take it first; the range makes that unlikely."""
+    import random
+
+    for port in random.sample(range(*_PORT_RANGE), 64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])

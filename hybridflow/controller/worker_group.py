@@ -241,6 +241,9 @@ class RayWorkerGroup(_WorkerGroupBase):
         self._options = {
             "num_cpus": resource_pool.cpus_per_bundle / share if num_cpus_per_worker is None else num_cpus_per_worker,
             "num_gpus": 1 / share if resource_pool.use_gpu else 0,
+            # a Worker class may ask for more Ray actor options, e.g. {"max_concurrency": 4} for methods that
+            # run at the same time as another call (in threads)
+            **getattr(cls, "ray_actor_options", {}),
         }
         self._actor_cls = ray.remote(_with_env(cls))
         self._placements = placements

@@ -1,11 +1,12 @@
 """Entry point of ``hybridflow train``: start (or join) Ray, build data and worker groups, run the driver named by
-``algorithm.driver`` (``DRIVERS``: ppo, remax, safe_rlhf)."""
+``algorithm.driver`` (``DRIVERS``: ppo, remax, safe_rlhf, async)."""
 
 from __future__ import annotations
 
 import logging
 import os
 
+from hybridflow.trainer.async_rl import AsyncTrainer
 from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.remax import ReMaxTrainer
@@ -22,6 +23,8 @@ DRIVERS = {
     "remax": lambda cfg, g, tracker: ReMaxTrainer(cfg, g["actor"], build_reward(g, cfg), tracker),
     "safe_rlhf": lambda cfg, g, tracker: SafeRLHFTrainer(cfg, g["actor"], g["critic"], g["cost_critic"],
                                                          build_reward(g, cfg), build_cost(g, cfg), tracker),
+    "async": lambda cfg, g, tracker: AsyncTrainer(cfg, g["actor"], g.get("critic"), build_reward(g, cfg),
+                                                  g["generator"], tracker),
 }
 
 

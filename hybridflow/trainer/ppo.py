@@ -85,12 +85,14 @@ class PPOTrainer:
         logger.info("resumed from %s at step %d", path, self.global_step)
         return self.global_step
 
-    def pop_prompts(self, batch: DataProto) -> DataProto:
+    def pop_prompts(self, batch: DataProto, step: int | None = None) -> DataProto:
         """Start a step: give each prompt a ``uid`` (before its n samples are made, so they share it: the groups of
         GRPO/RLOO), put ``global_step`` in ``batch.meta_info``, and pop the prompt tensors (``input_ids``,
-        ``attention_mask``, ``position_ids`` (B, P)) with this step's sampling ``seed`` as the rollout's input."""
+        ``attention_mask``, ``position_ids`` (B, P)) with the sampling ``seed`` of step ``step`` (default: the
+        current ``global_step``) as the rollout's input."""
+        step = self.global_step if step is None else step
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        batch.meta_info.update(seed=self.config.trainer.seed * 100003 + self.global_step, global_step=self.global_step)
+        batch.meta_info.update(seed=self.config.trainer.seed * 100003 + step, global_step=step)
         return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], meta_info_keys=["seed"])
 
     def step(self, batch: DataProto) -> dict[str, float]:
@@ -101,23 +103,34 @@ class PPOTrainer:
             with timer("gen", t):
                 gen = self.actor.generate_sequences(prompts)
             batch = batch.repeat(n, interleave=True).union(gen)
-            with timer("reward", t):
-                batch.union(self.reward.compute_rm_score(batch))
+            metrics = self.train_on(batch, t)
+        return self.step_metrics(batch, metrics, t)
+
+    def train_on(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
+        """The rest of a step on a batch of generated samples: reward, reference logprobs (when a KL term needs
+        them), old logprobs (unless ``algorithm.bypass_old_log_prob``), values, advantages, critic and actor
+        updates (phase seconds into ``t``); returns the metrics."""
+        with timer("reward", t):
+            batch.union(self.reward.compute_rm_score(batch))
+        if self.config.algorithm.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
+        if self.config.algorithm.bypass_old_log_prob:  # the sampling policy's logprobs are pi_old: no forward
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+        else:
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
-            if self.critic is not None:
-                with timer("values", t):
-                    batch.union(self.critic.compute_values(batch))
-            with timer("adv", t):
-                metrics = self.rewards_and_advantages(batch)
-            if self.critic is not None:
-                with timer("update_critic", t):
-                    metrics.update(absorb_metrics(self.critic.update_critic(batch), batch))
-            with timer("update_actor", t):
-                metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
-        return self.step_metrics(batch, metrics, t)
+        if self.critic is not None:
+            with timer("values", t):
+                batch.union(self.critic.compute_values(batch))
+        with timer("adv", t):
+            metrics = self.rewards_and_advantages(batch)
+        if self.critic is not None:
+            with timer("update_critic", t):
+                metrics.update(absorb_metrics(self.critic.update_critic(batch), batch))
+        with timer("update_actor", t):
+            metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
+        return metrics
 
     def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
         """``token_level_rewards`` (scores minus the in-reward KL when ``use_kl_in_reward``), then ``advantages``

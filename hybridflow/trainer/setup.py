@@ -19,13 +19,15 @@ from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 from hybridflow.workers.critic_worker import CriticWorker
+from hybridflow.workers.generator_worker import GeneratorWorker
 from hybridflow.workers.reward_worker import RuleRewardWorker
 from hybridflow.workers.rm_worker import RewardModelWorker
 
 logger = logging.getLogger(__name__)
 
 def init_ray(config) -> bool:
-    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set, else start a local cluster whose
+    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set, else start a local cluster (with
+    ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all resource pools + 1)) whose
     dashboard (if any) binds to 127.0.0.1. Returns True when this call started the cluster."""
     import ray
 
@@ -35,7 +37,8 @@ def init_ray(config) -> bool:
     if address:
         ray.init(address=address)
         return False
-    ranks = config.trainer.n_gpus_per_node * config.trainer.nnodes
+    pools = config.resource_pool.pools
+    ranks = sum(sum(nodes) for nodes in pools.values()) if pools else config.trainer.n_gpus_per_node * config.trainer.nnodes
     num_cpus = config.trainer.ray_init.num_cpus or max(os.cpu_count() or 1, ranks + 1)
     ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
     return True
@@ -90,7 +93,7 @@ def total_training_steps(config, steps_per_epoch: int) -> int:
 
 
 DEFAULT_POOL = "global_pool"
-ROLES = ("actor", "critic", "reward", "reward_model", "cost_model", "cost_critic")  # worker-group role names
+ROLES = ("actor", "critic", "reward", "reward_model", "cost_model", "cost_critic", "generator")  # worker-group roles
 _TAKE_TOTAL_STEPS = ("actor", "critic", "cost_critic")  # roles whose init_model sizes an lr schedule
 
 
@@ -98,9 +101,14 @@ def worker_roles(config) -> dict[str, RayClassWithInitArgs]:
     """The worker groups a run needs, by role: ``actor`` (+rollout+reference) and ``reward`` (rule reward and
     rule cost) always; ``critic`` when :func:`~hybridflow.config.need_critic`; ``reward_model`` with
     ``reward_model.enable``; for ``algorithm.driver=safe_rlhf`` a ``cost_critic`` (same settings as ``critic``)
-    and, with ``cost_model.enable``, a ``cost_model``."""
-    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config, "actor_rollout_ref"),
+    and, with ``cost_model.enable``, a ``cost_model``; for ``algorithm.driver=async`` the ``generator`` group, and the
+    actor without a rollout (it trains; the generators sample)."""
+    is_async = config.algorithm.driver == "async"
+    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config,
+                                           "actor_ref" if is_async else "actor_rollout_ref"),
              "reward": RayClassWithInitArgs(RuleRewardWorker, config)}
+    if is_async:
+        roles["generator"] = RayClassWithInitArgs(GeneratorWorker, config)
     if need_critic(config):
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config)
     if config.reward_model.enable:

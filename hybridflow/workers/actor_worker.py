@@ -2,7 +2,9 @@
 
 Colocating the three roles lets the rollout take its weights from the actor in memory after every update
 (``load_weights`` from the gathered FSDP shards, no disk) and lets the frozen reference share the process.
-Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``.
+Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``,
+or ``actor_ref`` (no rollout: the trainer of the async driver, whose generators are a separate worker group that
+receives the weights through :meth:`ActorRolloutRefWorker.send_weights`).
 
 Each method below is one dataflow step: DataProto in, DataProto out, dispatched by the mesh-aware mode. Training
 steps use the ``actor`` mesh, the training layout dp x tp (``actor.tensor_model_parallel_size``): one chunk per
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 from types import SimpleNamespace
 
 import torch
 
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Dispatch, Execute, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
+from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, open_store
 from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model, resolve_dtype
 from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
@@ -34,7 +38,7 @@ from hybridflow.workers.ppo_actor import PPOActor
 
 logger = logging.getLogger(__name__)
 
-ROLES = ("actor_rollout_ref", "actor_rollout", "ref")
+ROLES = ("actor_rollout_ref", "actor_rollout", "ref", "actor_ref")
 
 
 def setup_worker_process() -> None:
@@ -43,6 +47,31 @@ def setup_worker_process() -> None:
     slice model outputs out of place)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def make_rollout_config(config) -> SimpleNamespace:
+    """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the run config."""
+    rollout = config.actor_rollout_ref.rollout
+    return SimpleNamespace(
+        response_length=config.data.max_response_length,
+        n=rollout.n,
+        do_sample=rollout.do_sample,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        micro_batch_size=rollout.micro_batch_size_per_gpu,
+        tensor_model_parallel_size=rollout.tensor_model_parallel_size,
+        weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
+    )
+
+
+def with_rank_seed(prompts: DataProto, gen_dp_rank: int) -> DataProto:
+    """``prompts`` with ``meta_info["seed"]`` (if any) made distinct per generation dp rank: seed * 1000 + rank,
+    so samples are reproducible per (seed, dp_g rank) whichever worker group generates them."""
+    meta = dict(prompts.meta_info)
+    if "seed" in meta:
+        meta["seed"] = int(meta["seed"]) * 1000 + gen_dp_rank
+    return DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -58,7 +87,9 @@ class ActorRolloutRefWorker(Worker):
         self.config = config
         self.role = role
         self._has_actor = role != "ref"
-        self._has_ref = role in ("actor_rollout_ref", "ref")
+        self._has_ref = role in ("actor_rollout_ref", "ref", "actor_ref")
+        self._has_rollout = role in ("actor_rollout_ref", "actor_rollout")
+        self._weight_sync = None  # the transfer group to the async driver's generators (actor_ref)
         self._rollout_stale = True
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
 
@@ -88,22 +119,13 @@ class ActorRolloutRefWorker(Worker):
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
             self.actor = PPOActor(module, optimizer, cfg.actor, temperature, self.config.trainer.nonfinite_grad)
+        if self._has_rollout:
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
             use_engine = cfg.rollout.name == "hf"  # the engine's generation model replaces a separate copy
             if rollout_cls.needs_module and not use_engine:
                 rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
-            rollout_cfg = SimpleNamespace(
-                response_length=self.config.data.max_response_length,
-                n=cfg.rollout.n,
-                do_sample=cfg.rollout.do_sample,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                micro_batch_size=cfg.rollout.micro_batch_size_per_gpu,
-                tensor_model_parallel_size=cfg.rollout.tensor_model_parallel_size,
-                weight_bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20,
-            )
+            rollout_cfg = make_rollout_config(self.config)
             eos = get_eos_token_ids(path, self.tokenizer)
             if use_engine:
                 self._build_hybrid_engine(mesh, rollout_cfg, eos)
@@ -166,11 +188,7 @@ class ActorRolloutRefWorker(Worker):
         peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
-        meta = dict(prompts.meta_info)
-        if "seed" in meta:  # distinct streams per generation dp rank, reproducible per (seed, dp_g rank)
-            meta["seed"] = int(meta["seed"]) * 1000 + gen_dp_rank
-        prompts = DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
-        out = self.rollout.generate_sequences(prompts)
+        out = self.rollout.generate_sequences(with_rank_seed(prompts, gen_dp_rank))
         if self.engine is not None:
             self.engine.check_lockstep(out.batch["responses"])
         out.meta_info.pop("seed", None)
@@ -208,6 +226,41 @@ class ActorRolloutRefWorker(Worker):
         self.lr_scheduler.step()
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
+
+    # ------------------------------------------------------------------ weight push to the async generators
+    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def open_weight_sync(self) -> tuple[str, int, list]:
+        """Host the transfer group's store; returns ``(host, port, layout)`` for the generators (layout: the
+        ``(name, shape, dtype)`` of every tensor :meth:`send_weights` sends, in order)."""
+        host, _ = self.get_master_addr_port()
+        self._sync_store = open_store(host, self.config.async_training.weight_sync_timeout_s)
+        self._sync_layout = layout_of(self.actor.module.state_dict().items())
+        return host, self._sync_store.port, self._sync_layout
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def init_weight_sync(self, host: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the transfer group as its sender (rank 0 of ``world_size``); other ranks only gather."""
+        if self.rank == 0:
+            self._weight_sync = WeightTransferGroup(
+                host, port, 0, world_size, self.device, self.config.async_training.weight_sync_timeout_s,
+                store=self._sync_store)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def send_weights(self, version: int) -> dict[str, float]:
+        """Gather the full weights (every rank, one tensor at a time) and broadcast them bucket by bucket from
+        rank 0 to the generators. Returns rank 0's ``sync/weight_transfer_s`` (seconds) and
+        ``sync/weight_transfer_bytes`` (bytes per generator rank); ``version`` is logged only."""
+        self._switch_to_training()
+        start = time.perf_counter()
+        bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
+        if self._weight_sync is None:  # ranks > 0 take part in the gathers only
+            for _ in iter_full_state(self.actor.module):
+                pass
+            return {}
+        sent = self._weight_sync.send(iter_full_state(self.actor.module), self._sync_layout, bucket)
+        seconds = time.perf_counter() - start
+        logger.debug("sent weights of version %d: %d bytes in %.3fs", version, sent, seconds)
+        return {"sync/weight_transfer_s": seconds, "sync/weight_transfer_bytes": float(sent)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -24,15 +24,29 @@ def response_forward(module: torch.nn.Module, micro: DataProto, response_length:
 
     Returns ``logits[:, -R-1:-1]``: (B, R, V) for a causal LM (position t predicts response token t), (B, R, 1)
     for a value model (the value of the state before response token t).
+
+    Columns no row of the micro-batch attends to are cut before the forward: left padding common to every prompt
+    and response slots after the longest response (responses are padded to R, most end early). Positions are
+    explicit (``position_ids``) and the model is causal, so the kept outputs are unchanged; the cut response slots
+    (every row's padding) are returned as 0.
     """
     batch = micro.batch
+    mask = batch["attention_mask"]
+    prompt_len = mask.shape[1] - response_length
+    used = mask.bool().any(dim=0).nonzero().flatten()
+    first = min(int(used[0]), prompt_len - 1) if used.numel() else 0
+    kept = max(1, int(used[-1]) + 1 - prompt_len) if used.numel() else response_length
+    end = prompt_len + kept
     out = module(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
+        input_ids=batch["input_ids"][:, first:end],
+        attention_mask=mask[:, first:end],
+        position_ids=batch["position_ids"][:, first:end],
         use_cache=False,
     )
-    return out.logits[:, -response_length - 1 : -1]
+    logits = out.logits[:, prompt_len - 1 - first : end - 1 - first]
+    if kept < response_length:
+        logits = torch.nn.functional.pad(logits, (0, 0, 0, response_length - kept))
+    return logits
 
 
 def mini_batches(data: DataProto, mini_size: int, epochs: int, shuffle: bool, seed: int) -> Iterator[DataProto]:

@@ -60,10 +60,13 @@ class PPOActor:
         """PPO policy update over this rank's share of the batch.
 
         ``data`` needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``,
-        ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``). ``mini_batch_size`` is
+        ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``; ``rollout_log_probs``, passed to
+        the policy loss when present, for ``aipo`` and ``tis_imp_ratio_cap``). ``mini_batch_size`` is
         in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
         normalisation of :mod:`hybridflow.workers.micro`. A non-finite gradient norm skips the step (counted in
-        ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks.
+        ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks; with ``rollout_log_probs``
+        also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
+        ``actor/is_weight_mean`` and ``actor/is_weight_max`` (the max over micro-batches, averaged over ranks).
         """
         cfg = self.config
         self.module.train()
@@ -81,7 +84,8 @@ class PPOActor:
                 need_entropy = cfg.entropy_coeff != 0
                 log_prob, entropy = self._log_prob(micro, need_entropy)
                 pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
-                    b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg, **agg_kwargs
+                    b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg,
+                    rollout_log_probs=b.get("rollout_log_probs"), **agg_kwargs
                 )
                 loss = pg_loss
                 if need_entropy:
@@ -97,6 +101,11 @@ class PPOActor:
                 _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
                 _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
                 _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
+                if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
+                    w = torch.exp((log_prob.detach() - b["rollout_log_probs"]).clamp(max=20.0))[mask.bool()]
+                    if w.numel():
+                        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
+                        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
             grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
                                                  "actor")
             self.skipped_steps += int(skipped)

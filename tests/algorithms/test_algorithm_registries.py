@@ -82,12 +82,31 @@ def test_estimator_with_var_kwargs_receives_extra_inputs():
 def test_user_policy_loss():
     @register_policy_loss("test_reinforce")
     def reinforce_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                       **agg_kwargs):
+                       rollout_log_probs=None, **agg_kwargs):
         zero = torch.zeros(())
         return -(advantages * log_prob).sum(), zero, zero, zero
 
     loss, *_ = get_policy_loss_fn("test_reinforce")(None, torch.ones(1, 2), torch.full((1, 2), 2.0), None)
     assert loss.item() == -4.0
+
+
+def test_policy_loss_without_rollout_log_probs_is_refused():
+    # the actor passes rollout_log_probs= to every loss; one that would swallow it into **agg_kwargs is refused
+    def old_style(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                  **agg_kwargs):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="'test_old_style' .* must accept the keyword rollout_log_probs"):
+        register_policy_loss("test_old_style")(old_style)
+    with pytest.raises(UnknownNameError):
+        get_policy_loss_fn("test_old_style")
+
+    def fixed(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+              rollout_log_probs=None, **agg_kwargs):
+        raise AssertionError("never called")
+
+    register_policy_loss("test_old_style")(fixed)  # the refused one left nothing behind
+    assert get_policy_loss_fn("test_old_style") is fixed
 
 
 def test_algorithms_layer_does_not_import_ray():

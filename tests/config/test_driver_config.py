@@ -20,7 +20,7 @@ def test_default_driver_is_ppo_and_the_quickstart_is_unchanged():
 @pytest.mark.parametrize("recipe, driver, estimator, critic", [
     ("grpo_quickstart", "ppo", "grpo", False), ("rloo_quickstart", "ppo", "rloo", False),
     ("reinforce_pp_quickstart", "ppo", "reinforce_plus_plus", False), ("remax_quickstart", "remax", "remax", False),
-    ("safe_rlhf_quickstart", "safe_rlhf", "gae", True)])
+    ("safe_rlhf_quickstart", "safe_rlhf", "gae", True), ("async_grpo_quickstart", "async", "grpo", False)])
 def test_recipes_select_their_driver(recipe, driver, estimator, critic):
     cfg = load_config(recipe)
     assert (cfg.algorithm.driver, cfg.algorithm.adv_estimator, need_critic(cfg)) == (driver, estimator, critic)
@@ -28,7 +28,7 @@ def test_recipes_select_their_driver(recipe, driver, estimator, critic):
 
 def test_misspelled_driver_gets_a_suggestion():
     (problem,) = _problems("quickstart", "algorithm.driver=remx")
-    assert problem == "algorithm.driver: 'remx' is not one of ppo, remax, safe_rlhf; did you mean remax?"
+    assert problem == "algorithm.driver: 'remx' is not one of ppo, remax, safe_rlhf, async; did you mean remax?"
 
 
 def test_remax_estimator_needs_the_remax_driver():
@@ -58,3 +58,19 @@ def test_lagrangian_and_score_model_values():
            "checkpoint)" in problems
     assert any(p.startswith("cost_model.enable=true needs cost_model.model.path") for p in problems)
     assert any(p.startswith("cost_model.rule: unknown rule cost 'nope'") for p in problems)
+
+
+def test_async_driver_needs_a_generator_pool_of_its_own():
+    (problem,) = _problems("grpo_quickstart", "algorithm.driver=async")
+    assert "resource_pool.mapping.generator" in problem and "'global_pool'" in problem
+
+
+def test_async_staleness_and_queue_bounds():
+    problems = _problems("async_grpo_quickstart", "async_training.max_staleness=-1", "async_training.queue_size=0")
+    assert problems == ["async_training.max_staleness must be >= 0, got -1",
+                        "async_training.queue_size must be null or >= 1, got 0"]
+
+
+def test_bypass_old_log_prob_is_for_the_ppo_and_async_drivers():
+    (problem,) = _problems("remax_quickstart", "algorithm.bypass_old_log_prob=true")
+    assert "drivers ppo and async" in problem and "remax" in problem
