@@ -15,8 +15,9 @@ recorded around each run (the machine may be shared).
 
 The cost model (``hybridflow.mapping``, ``cpu`` device preset) estimates the same three placements for the
 quickstart workload: 32 sequences of 32 prompt + 32 response tokens (responses are padded to
-``data.max_response_length`` = 32 in every forward/backward; sampling usually stops after ~15 tokens when every
-sequence of a rank has ended), one PPO epoch, 2 mini-batches, micro-batches of 4 in training and of 16 in
+``data.max_response_length`` = 32, but the workers' forwards cut the slots after a batch's longest response and
+sampling stops when every sequence has ended, so the model uses the calibration run's mean longest response,
+about 16 tokens: :func:`effective_workload`), one PPO epoch, 2 mini-batches, micro-batches of 4 in training and of 16 in
 forward passes (the schema's log-prob and value micro-batches), no activation recomputation, ZeRO-3 (hybridflow's
 workers run FSDP2: per micro-batch and per FSDP unit parameter all-gathers and gradient reduce-scatters; the
 rollout's weight sync all-gathers the weights tensor by tensor), data parallel only (tp = pp = 1: FSDP over the
@@ -64,6 +65,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -206,6 +208,7 @@ def measure_calibration(steps: int, timeout_s: float) -> dict:
     run = measure(CALIBRATION, steps, timeout_s)
     gloo2, gloo4 = gloo_allreduce_s(2), gloo_allreduce_s(SLOTS)
     return {"step_s": round(run["step_s"], 4), "phase_s": {k: round(v, 4) for k, v in run["phase_s"].items()},
+            "response_length_max": run.get("response_length_max"),
             "gloo_allreduce_1kb_s": {"2": round(gloo2, 6), str(SLOTS): round(gloo4, 6)},
             "load_1min": [run["load_1min_before"], run["load_1min_after"]]}
 
@@ -311,6 +314,17 @@ def calibrate(cal: dict, per_collective: bool = True) -> tuple[CostParams, float
     return params, hop, driver, report
 
 
+def effective_workload(cals: list[dict]) -> Workload:
+    """``WORKLOAD`` with the response length the workers actually compute over: hybridflow's forwards cut the
+    response slots after a batch's longest response, and the decode loop stops when every row has ended, so
+    the calibration run's mean longest response (rounded up) replaces the padded ``max_response_length``.
+    Outputs of this script from before that measurement existed keep the padded length."""
+    lengths = [c["response_length_max"] for c in cals if c.get("response_length_max")]
+    if not lengths:
+        return WORKLOAD
+    return dataclasses.replace(WORKLOAD, response_len=math.ceil(statistics.mean(lengths)))
+
+
 def mean_calibration(cals: list[dict]) -> dict:
     """The calibration measurements averaged over the rounds."""
     return {"step_s": statistics.mean(c["step_s"] for c in cals),
@@ -375,6 +389,8 @@ def main() -> None:
     else:
         rounds, steps = run_measurements(args), args.steps
     names = list(PLACEMENTS)
+    global WORKLOAD
+    WORKLOAD = effective_workload([rd["calibration"] for rd in rounds])
     params, hop, driver, calibration = calibrate(mean_calibration([rd["calibration"] for rd in rounds]))
     logger.info("calibrated: %s", calibration)
     call_only, _, call_only_driver, call_only_report = calibrate(mean_calibration([rd["calibration"] for rd in rounds]),

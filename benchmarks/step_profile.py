@@ -47,6 +47,7 @@ def main() -> None:
         "worker_s": {k.split("/", 1)[1]: avg(k) for k in steady[0] if k.startswith("timing_worker_s/")},
         "controller_overhead_frac": avg("timing_s/controller_overhead_frac"),
         "tokens_per_s": avg("perf/throughput"),
+        "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch
     }
     print(json.dumps(result, indent=2))
 
