@@ -451,6 +451,9 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     return problems
 
 
+MAX_QUEUE = 32  # generation requests in flight; the generator worker has MAX_QUEUE + 2 threads
+
+
 def _async_problems(get: Callable[[str], Any]) -> list[str]:
     """The async driver needs its generators on a pool of their own and a non-negative staleness bound."""
     problems = []
@@ -466,6 +469,18 @@ def _async_problems(get: Callable[[str], Any]) -> list[str]:
         problems.append(f"async_training.max_staleness must be >= 0, got {k}")
     if queue is not None and queue < 1:
         problems.append(f"async_training.queue_size must be null or >= 1, got {queue}")
+    pools = get("resource_pool.pools") or {}
+    tp_g = get("actor_rollout_ref.rollout.tensor_model_parallel_size")
+    if generator in pools:
+        ranks = sum(pools[generator])
+        batch = get("data.train_batch_size")
+        if ranks % tp_g or batch % (ranks // tp_g):
+            problems.append(f"data.train_batch_size ({batch}) must split evenly over the generators' data-parallel "
+                            f"ranks: pool {generator!r} has {ranks} ranks / rollout.tensor_model_parallel_size "
+                            f"{tp_g}")
+    if (queue if queue is not None else k + 1) > MAX_QUEUE:
+        problems.append(f"async_training.queue_size (default max_staleness + 1 = {k + 1}) must be <= {MAX_QUEUE}: "
+                        "each request in flight holds a generator thread")
     if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
         problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
     return problems

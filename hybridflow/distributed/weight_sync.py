@@ -88,8 +88,10 @@ class WeightTransferGroup:
             store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         self.rank, self.world_size, self.device = rank, world_size, device
         store = dist.PrefixStore("hybridflow_weight_sync", store)
-        if device == "cuda":
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        if device == "cuda":  # untested here (no GPU); the timeout as for gloo
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
             self._pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
@@ -97,6 +99,8 @@ class WeightTransferGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         self._pg.broadcast([flat], opts).wait()
+        if flat.is_cuda:  # NCCL's wait() only orders the stream; the bytes have moved once it is synchronized
+            torch.cuda.current_stream().synchronize()
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], layout: Sequence[TensorLayout],
              bucket_bytes: int) -> int:

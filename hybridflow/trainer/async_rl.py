@@ -17,12 +17,15 @@ losses, ``actor.tis_imp_ratio_cap`` applies truncated importance weights min(pi_
 makes the driver the synchronous PPO driver with generation on other devices (same samples for the same seed).
 
 Each sample carries ``policy_version``; metrics: ``async/staleness_*`` (trainer version - sample version),
-``async/dropped_samples`` (total), ``async/is_weight_*`` and ``async/is_capped_frac`` (pi_old/mu over valid
-tokens, and the fraction above ``actor.aipo_rho``), ``async/gen_wait_s`` (seconds the trainer waited for samples),
+``async/dropped_samples`` (running total), ``async/is_weight_*`` and ``async/is_capped_frac`` (pi_old/mu over
+valid tokens and the fraction above the loss's cap; only when old logprobs are recomputed, i.e. without
+``algorithm.bypass_old_log_prob``), ``async/gen_wait_s`` (seconds the trainer waited for samples),
 ``sync/weight_transfer_s`` and ``sync/weight_transfer_bytes``.
 
-Simplification: a batch is trained on whole or dropped whole (all samples of a batch usually share one version;
-dropping part of one would break the dp split and the GRPO groups).
+Simplifications: a batch is trained on whole or dropped whole (all samples of a batch usually share one version;
+dropping part of one would break the dp split and the GRPO groups). Dropped batches consume prompts, so after a
+resume the data position (a function of the step) can differ from the run's own when batches were dropped;
+with the default ``queue_size`` (k + 1) no batch is dropped.
 """
 
 from __future__ import annotations
@@ -73,7 +76,15 @@ class AsyncTrainer:
         self.max_staleness = config.async_training.max_staleness
         self.queue_size = config.async_training.queue_size or self.max_staleness + 1
         self.pending: collections.deque = collections.deque()  # (prompt batch, generation future), oldest first
-        self.dropped_samples = 0
+        self.dropped_samples = 0  # a running total (not saved in checkpoints: restarts at 0 on resume)
+        actor = config.actor_rollout_ref.actor
+        # the cap the loss applies to pi/mu: AIPO's rho, or the truncated-IS cap of the PPO-clip losses
+        self._cap = actor.aipo_rho if actor.policy_loss == "aipo" else (
+            actor.tis_imp_ratio_cap if actor.tis_imp_ratio_cap > 0 else None)
+        if self.queue_size > self.max_staleness + 1:
+            logger.warning("async_training.queue_size=%d > max_staleness + 1 = %d: requests beyond that are generated "
+                           "with weights too old to train on and will mostly be dropped", self.queue_size,
+                           self.max_staleness + 1)
         self._prompts: Iterator[DataProto] | None = None
         self._submitted = 0  # the step whose prompts were submitted last
 
@@ -129,7 +140,7 @@ class AsyncTrainer:
             with timer("weight_push", t):
                 metrics.update(self.push_weights(version + 1))
         if not self.config.algorithm.bypass_old_log_prob:  # else old = mu: the actor logs actor/is_weight_*
-            metrics.update(importance_metrics(batch, self.config.actor_rollout_ref.actor.aipo_rho))
+            metrics.update(importance_metrics(batch, self._cap))
         metrics.update({"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
                         "async/dropped_samples": float(self.dropped_samples), "async/gen_wait_s": t["gen_wait"],
                         "async/queue_size": float(self.queue_size)})
@@ -166,13 +177,17 @@ def _call(group, method: str, *args) -> tuple:
     return refs, range(len(refs)), group.name, method
 
 
-def importance_metrics(batch: DataProto, rho: float) -> dict[str, float]:
+def importance_metrics(batch: DataProto, cap: float | None) -> dict[str, float]:
     """Statistics of the per-token importance weights w = pi_old / mu = exp(old_log_probs - rollout_log_probs)
-    over valid tokens (``response_mask``): mean, max, min, and the fraction above the AIPO cap ``rho``."""
+    over valid tokens (``response_mask``): mean, max, min, and the fraction above ``cap`` (the loss's cap: AIPO's
+    rho or the truncated-IS cap; not reported when the loss has none)."""
     mask = batch.batch["response_mask"].bool()
     log_w = (batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"])[mask]
     if not log_w.numel():
         return {}
     w = torch.exp(log_w.clamp(max=20.0))
-    return {"async/is_weight_mean": w.mean().item(), "async/is_weight_max": w.max().item(),
-            "async/is_weight_min": w.min().item(), "async/is_capped_frac": (w > rho).float().mean().item()}
+    metrics = {"async/is_weight_mean": w.mean().item(), "async/is_weight_max": w.max().item(),
+               "async/is_weight_min": w.min().item()}
+    if cap is not None:
+        metrics["async/is_capped_frac"] = (w > cap).float().mean().item()
+    return metrics

@@ -36,9 +36,10 @@ class GeneratorWorker(Worker):
     """One rank of the generator group. Args: ``config``: the full run config (reads ``actor_rollout_ref.model``,
     ``actor_rollout_ref.rollout``, ``data``, ``async_training``)."""
 
-    # a weight receive runs while a generation runs; a few more threads for queued generation calls, which
-    # wait for the generation lock (calls run one at a time)
-    ray_actor_options = {"max_concurrency": 8}
+    # a weight receive runs while a generation runs; every queued generation call also holds a thread while it
+    # waits for the generation lock (calls run one at a time), so there are threads for the largest queue the
+    # config allows (async_training.queue_size <= 32) plus the receive and a validation call
+    ray_actor_options = {"max_concurrency": 34}
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -66,7 +66,8 @@ class PPOActor:
         normalisation of :mod:`hybridflow.workers.micro`. A non-finite gradient norm skips the step (counted in
         ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks; with ``rollout_log_probs``
         also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
-        ``actor/is_weight_mean`` and ``actor/is_weight_max`` (the max over micro-batches, averaged over ranks).
+        ``actor/is_weight_mean``, ``actor/is_weight_max`` and ``actor/is_weight_min`` (max/min over micro-batches,
+        averaged over ranks).
         """
         cfg = self.config
         self.module.train()
@@ -106,6 +107,7 @@ class PPOActor:
                     if w.numel():
                         _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
                         stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
+                        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
             grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
                                                  "actor")
             self.skipped_steps += int(skipped)

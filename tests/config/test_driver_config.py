@@ -74,3 +74,10 @@ def test_async_staleness_and_queue_bounds():
 def test_bypass_old_log_prob_is_for_the_ppo_and_async_drivers():
     (problem,) = _problems("remax_quickstart", "algorithm.bypass_old_log_prob=true")
     assert "drivers ppo and async" in problem and "remax" in problem
+
+
+def test_async_generator_ranks_must_divide_the_batch_and_the_queue_is_bounded():
+    (problem,) = _problems("async_grpo_quickstart", "resource_pool.pools={trainer: [1], generator: [3]}")
+    assert "data.train_batch_size (16)" in problem and "'generator' has 3 ranks" in problem
+    (problem,) = _problems("async_grpo_quickstart", "async_training.max_staleness=40")
+    assert problem.startswith("async_training.queue_size (default max_staleness + 1 = 41) must be <= 32")
