@@ -143,4 +143,7 @@ def test_killed_generator_or_trainer_fails_fast(tmp_path, role_class, group):
     assert proc.returncode != 0
     assert elapsed < 60
     assert f"worker group '{group}'" in output and "rank 0" in output, output[-3000:]
+    deadline = time.time() + 30  # the workers exit with the run's Ray (they may lag the driver a little)
+    while (_pids("GeneratorWorker") or _pids("ActorRolloutRefWorker")) and time.time() < deadline:
+        time.sleep(0.5)
     assert not _pids("GeneratorWorker") and not _pids("ActorRolloutRefWorker")
