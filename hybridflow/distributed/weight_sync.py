@@ -124,7 +124,7 @@ class WeightTransferGroup:
                     raise ValueError(f"weight sync: expected {name} {tuple(shape)}, got {got_name} "
                                      f"{tuple(tensor.shape)} (the layout and the tensors disagree)")
                 parts.append(tensor.detach().reshape(-1).to(self.device))
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0]  # the sender's tensor is only read
             self._broadcast(flat)
             sent += flat.numel() * flat.element_size()
         return sent

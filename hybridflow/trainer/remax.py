@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.ppo import PPOTrainer, absorb_metrics
+from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.utils.timer import timer
 
 
@@ -46,16 +46,7 @@ class ReMaxTrainer:
                 baselines = self.greedy_baselines(prompts, batch)
             batch = batch.repeat(n, interleave=True).union(gen)
             batch.batch["reward_baselines"] = baselines.repeat_interleave(n)
-            with timer("reward", t):
-                batch.union(self.reward.compute_rm_score(batch))
-            with timer("ref", t):
-                batch.union(self.actor.compute_ref_log_prob(batch))
-            with timer("old_log_prob", t):
-                batch.union(self.actor.compute_log_prob(batch))
-            with timer("adv", t):
-                metrics = self.ppo.rewards_and_advantages(batch)
-            with timer("update_actor", t):
-                metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
+            metrics = self.ppo.train_on(batch, t)  # reward, ref, old logprobs, advantages, actor update
         metrics["remax/baseline_score/mean"] = baselines.mean().item()
         return self.ppo.step_metrics(batch, metrics, t)
 
