@@ -37,7 +37,7 @@ __all__ = [
     "CostParams", "GenerateEstimate", "Layout", "activation_bytes_infer", "activation_bytes_train",
     "allgather_time", "allreduce_time", "compute_time", "contended", "forward_flops", "fsdp_units",
     "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence", "generate_time", "infer_time", "kv_cache_bytes",
-    "model_state_bytes", "p2p_time", "rank_share", "reshard_time", "train_flops", "train_time",
+    "layer_fixed_time", "layer_passes", "model_state_bytes", "p2p_time", "rank_share", "reshard_time", "train_flops", "train_time",
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER_BF16 = 34  # x hidden: Korthikanti et al. 2022, Table 2 (flash attention: no s^2 term)
@@ -86,6 +86,12 @@ class CostParams:
         collective_overhead_s: fixed CPU time a rank spends around each all-gather and reduce-scatter of an
             FSDP unit (ZeRO-3), besides the wire time: FSDP's copy-in / copy-out and hooks (on a rank with a core
             to itself). Not charged to the plain gathers of the rollout's weight sync.
+        layer_overhead_s: fixed time per decoder layer each time one device runs it on one micro-batch (a forward;
+            a backward counts twice, a recomputation once more; a decode micro-step once): the kernel launches and
+            tails that do not shrink with the micro-batch, so small per-device micro-batches run below
+            ``train_mfu`` / ``infer_mfu`` (``layer_overhead_s`` = kernels per layer x seconds per kernel).
+        stage_overhead_s: fixed time per stage (generate, prepare, train) of an iteration: the driver's barrier
+            and its collection and distribution of the batch between stages. The same for every placement.
         sequential_driver: the driver calls one worker group at a time and waits for it, as hybridflow's
             synchronous drivers (PPO family, ReMax, Safe-RLHF) do: sets on different devices never overlap, so a
             stage takes the sum of its sets' times, and only the running set's ranks are busy. False:
@@ -105,6 +111,8 @@ class CostParams:
     decode_step_overhead_s: float = 0.0
     call_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
+    layer_overhead_s: float = 0.0
+    stage_overhead_s: float = 0.0
     sequential_driver: bool = True
 
     def __post_init__(self) -> None:
@@ -114,7 +122,8 @@ class CostParams:
         if bad:
             raise SpecError(f"cost params: utilisation factors must be in (0, 1], got {', '.join(bad)}")
         overheads = {k: getattr(self, k) for k in ("decode_step_overhead_s", "call_overhead_s",
-                                                   "collective_overhead_s")}
+                                                   "collective_overhead_s", "layer_overhead_s",
+                                                   "stage_overhead_s")}
         negative = [f"{k}={v}" for k, v in overheads.items() if v < 0]
         if negative:
             raise SpecError(f"cost params: overheads must be >= 0 s, got {', '.join(negative)}")
@@ -221,8 +230,8 @@ def contended(cluster: ClusterSpec, params: CostParams, busy_ranks: int) -> tupl
     With s = ``rank_share(busy_ranks, cluster.cores_per_node)`` < 1, a rank holds a core only a fraction s of
     the time, so everything it does on its core slows by s: peak FLOP/s, memory bandwidth and the intra-node
     collective bandwidth (gloo copies through the CPU) are multiplied by s; the intra-node collective latency
-    (a ring step waits until the next rank is scheduled) and the per-decode-step and per-collective CPU
-    overheads are divided by s. The network between nodes and the driver's per-call overhead are unchanged.
+    (a ring step waits until the next rank is scheduled) and the per-decode-step, per-collective and per-layer
+    CPU overheads are divided by s. The network between nodes and the driver's per-call overhead are unchanged.
     With s = 1 both come back as given.
     """
     share = rank_share(busy_ranks, cluster.cores_per_node)
@@ -233,7 +242,8 @@ def contended(cluster: ClusterSpec, params: CostParams, busy_ranks: int) -> tupl
                                  intra_bw=dev.intra_bw * share, intra_latency_s=dev.intra_latency_s / share)
     return (dataclasses.replace(cluster, device=device),
             dataclasses.replace(params, decode_step_overhead_s=params.decode_step_overhead_s / share,
-                                collective_overhead_s=params.collective_overhead_s / share))
+                                collective_overhead_s=params.collective_overhead_s / share,
+                                layer_overhead_s=params.layer_overhead_s / share))
 
 
 def _tp_comm(model: ModelSpec, layout: Layout, n_allreduce_per_layer: int, micro_batches: int, tokens_per_micro: int,
@@ -271,6 +281,22 @@ def _bubble(micro_batches: int, pp: int) -> float:
     return (micro_batches + pp - 1) / micro_batches
 
 
+def layer_passes(kind: str, recompute: bool) -> int:
+    """Passes over each layer per micro-batch: 1 for a forward (``infer``); 3 for ``train`` (forward, and a
+    backward that launches about twice the kernels), 4 with recomputation (the forward again)."""
+    if kind == "infer":
+        return 1
+    if kind == "train":
+        return 4 if recompute else 3
+    raise SpecError(f"layer_passes: kind must be 'infer' or 'train', got {kind!r}")
+
+
+def layer_fixed_time(model: ModelSpec, layout: Layout, micro_batches: int, passes: int, params: CostParams) -> float:
+    """Fixed seconds of one device's kernels that do not scale with the micro-batch: ``micro_batches`` x
+    ``passes`` x ceil(layers / pp) x ``layer_overhead_s``."""
+    return micro_batches * passes * math.ceil(model.layers / layout.pp) * params.layer_overhead_s
+
+
 def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, cluster: ClusterSpec,
                params: CostParams, *, epochs: int = 1, updates: int = 1, micro_batch: int = 1) -> float:
     """Seconds to train on ``sequences`` sequences of ``seq_len`` tokens, ``epochs`` passes of ``updates``
@@ -281,7 +307,9 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     layer per micro-batch and 2 pipeline sends per micro-batch, all stretched by the pipeline bubble; then each
     optimizer step all-reduces the gradient shard (N / (tp·pp) elements) over dp. With ZeRO-3 (FSDP) instead,
     every micro-batch all-gathers each unit's parameters twice (forward, backward) and reduce-scatters its
-    gradients (``fsdp_units``; three all-gathers of the stage's weights per micro-batch).
+    gradients (``fsdp_units``; three all-gathers of the stage's weights per micro-batch). Each micro-batch also
+    pays ``layer_overhead_s`` per layer of the stage for the forward, twice for the backward and once more for the
+    recomputation (``layer_passes``).
     """
     dev = cluster.device
     per_rank = ceil_div(sequences, layout.dp)
@@ -290,7 +318,8 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     compute = flops / (dev.peak_flops * params.train_mfu)
     micro_total = micro_per_step * updates * epochs
     comm = (_tp_comm(model, layout, 6 if params.recompute else 4, micro_total, micro_batch * seq_len, cluster)
-            + _pp_comm(model, layout, 2, micro_total, micro_batch * seq_len, cluster))
+            + _pp_comm(model, layout, 2, micro_total, micro_batch * seq_len, cluster)
+            + layer_fixed_time(model, layout, micro_total, layer_passes("train", params.recompute), params))
     if params.zero_stage >= 3:
         comm += _fsdp_comm(model, layout, 3, micro_total, cluster, params)
         sync = 0.0
@@ -305,14 +334,16 @@ def infer_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
                params: CostParams, *, micro_batch: int = 1) -> float:
     """Seconds of one forward pass over ``sequences`` sequences of ``seq_len`` tokens (log-probs, values,
     scores): forward_flops / devices at ``infer_mfu``, 2 tp all-reduces per layer and 1 pipeline send per
-    micro-batch (with ZeRO-3, one all-gather per FSDP unit per micro-batch), stretched by the pipeline bubble."""
+    micro-batch (with ZeRO-3, one all-gather per FSDP unit per micro-batch) and ``layer_overhead_s`` per layer per
+    micro-batch, stretched by the pipeline bubble."""
     dev = cluster.device
     per_rank = ceil_div(sequences, layout.dp)
     micro = max(1, ceil_div(per_rank, micro_batch))
     flops = forward_flops(model, per_rank * seq_len) / (layout.tp * layout.pp)
     compute = flops / (dev.peak_flops * params.infer_mfu)
     comm = (_tp_comm(model, layout, 2, micro, micro_batch * seq_len, cluster)
-            + _pp_comm(model, layout, 1, micro, micro_batch * seq_len, cluster))
+            + _pp_comm(model, layout, 1, micro, micro_batch * seq_len, cluster)
+            + layer_fixed_time(model, layout, micro, layer_passes("infer", False), params))
     if params.zero_stage >= 3:
         comm += _fsdp_comm(model, layout, 1, micro, cluster, params)
     return (compute + comm) * _bubble(micro, layout.pp) + params.call_overhead_s
@@ -359,7 +390,8 @@ def generate_time(model: ModelSpec, layout: Layout, sequences: int, prompt_len: 
     (2·N·b·prompt_len / (tp·pp) FLOP per device at ``prefill_mfu``) and ``response_len`` decode steps. With
     ``u = min(pp, b)`` micro-batches in flight, a stage's micro-step takes the larger of (weight shard +
     the micro-batch's KV cache at mean length) / (mem_bw·gen_mbu) and its FLOP / (peak·gen_mfu), plus 2 tp
-    all-reduces per layer and a pipeline send; a decode step takes max(u, pp) micro-steps.
+    all-reduces per layer, a pipeline send and ``layer_overhead_s`` per layer of the stage; a decode step takes
+    max(u, pp) micro-steps plus ``decode_step_overhead_s``. A prefill pays ``layer_overhead_s`` per layer once.
 
     Returns:
         The estimate, or None when not even one sequence's KV cache fits in the budget.
@@ -386,6 +418,8 @@ def generate_time(model: ModelSpec, layout: Layout, sequences: int, prompt_len: 
         comm = 2 * math.ceil(model.layers / layout.pp) * allreduce_time(nbytes, layout.tp, 1, cluster)
     if layout.pp > 1:
         comm += p2p_time(micro * model.hidden * dev.dtype_bytes / layout.tp, layout.tp * layout.dp, cluster)
+    comm += math.ceil(model.layers / layout.pp) * params.layer_overhead_s
+    prefill += model.layers * params.layer_overhead_s
     step = max(u, layout.pp) * (max(t_mem, t_flop) + comm) + params.decode_step_overhead_s
     seconds = waves * (prefill + response_len * step) + params.call_overhead_s
     return GenerateEstimate(seconds, waves, batch, batch * kv_tok * (prompt_len + response_len))

@@ -2,7 +2,7 @@
 
     hybridflow plan --cluster 16x8:A100-80G --algorithm ppo --actor 7B [--critic 13B --reward rule ...]
                     [--batch 1024 --prompt-len 1024 --response-len 1024 --ppo-epochs 1 --top-k 5]
-                    [--json] [--emit-config FILE]
+                    [--cost-preset cpu|a100-paper] [--explain] [--json] [--emit-config FILE]
 
 Prints the best plan as tables (stage times, per-role layouts and times, memory per set), the baselines and
 the top-k; ``--json`` prints one JSON object instead; ``--emit-config FILE`` writes the YAML snippet that
@@ -13,14 +13,17 @@ fits, 2 bad arguments (unknown preset, malformed cluster, ...).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from hybridflow.mapping.cost import CostParams
-from hybridflow.mapping.dataflow import STAGES
+from hybridflow.mapping.dataflow import STAGES, VALUE_ROLES
 from hybridflow.mapping.emit import write_config
+from hybridflow.mapping.presets import COST_PRESETS, get_cost_preset
 from hybridflow.mapping.search import MappingSearch, Plan, SearchResult, SearchSpace
-from hybridflow.mapping.specs import ALGORITHMS, SpecError, Workload, get_model, parse_cluster
+from hybridflow.mapping.sensitivity import sensitivity
+from hybridflow.mapping.specs import ALGORITHMS, ClusterSpec, SpecError, Workload, get_model, parse_cluster
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -51,22 +54,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload.add_argument("--micro-batch", type=int, default=1, help="sequences per forward/backward per rank")
     workload.add_argument("--forward-micro-batch", type=int, default=None,
                           help="sequences per forward-only pass per rank (default: --micro-batch)")
-    model = parser.add_argument_group("cost model")
-    defaults = CostParams()
-    model.add_argument("--train-mfu", type=float, default=defaults.train_mfu)
-    model.add_argument("--infer-mfu", type=float, default=defaults.infer_mfu)
-    model.add_argument("--gen-mbu", type=float, default=defaults.gen_mbu, help="memory-bandwidth use in decoding")
-    model.add_argument("--mem-usable", type=float, default=defaults.mem_usable, help="usable fraction of memory")
-    model.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=defaults.zero_stage,
+    model = parser.add_argument_group("cost model (each flag overrides the preset's value)")
+    model.add_argument("--cost-preset", choices=tuple(COST_PRESETS), default="cpu",
+                       help="parameter set: cpu (dataclass defaults, no fixed overheads, sequential driver) or "
+                            "a100-paper (the HybridFlow paper's testbed and overlapping sets; "
+                            "hybridflow/mapping/presets.py lists each value's source)")
+    for flag, help_text in (("--train-mfu", "MFU of training"), ("--infer-mfu", "MFU of forward passes"),
+                            ("--gen-mbu", "memory-bandwidth use in decoding"),
+                            ("--mem-usable", "usable fraction of memory"),
+                            ("--decode-step-overhead", "fixed seconds per decode step (launches, sampling, Python)"),
+                            ("--call-overhead", "fixed seconds per model call (dispatch, data movement)"),
+                            ("--layer-overhead", "fixed seconds per layer per micro-batch pass (kernel launches)"),
+                            ("--stage-overhead", "fixed seconds per stage (driver barrier)")):
+        model.add_argument(flag, type=float, default=None, help=help_text)
+    model.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                        help="sharding of training states over dp (3: FSDP, as hybridflow's workers)")
     model.add_argument("--no-recompute", action="store_true", help="no activation checkpointing")
-    model.add_argument("--decode-step-overhead", type=float, default=defaults.decode_step_overhead_s,
-                       metavar="SECONDS", help="fixed time per decode step (launches, sampling, Python)")
-    model.add_argument("--call-overhead", type=float, default=defaults.call_overhead_s, metavar="SECONDS",
-                       help="fixed time per model call (dispatch, data movement)")
     model.add_argument("--overlap-sets", action="store_true",
                        help="the paper's model: sets on different devices run a stage at the same time (default: "
-                            "one worker group at a time, as hybridflow's synchronous drivers run)")
+                            "one worker group at a time, as hybridflow's synchronous drivers run; a100-paper "
+                            "overlaps already)")
     space = parser.add_argument_group("search")
     space.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size (default: node size)")
     space.add_argument("--max-pp", type=int, default=None, help="largest pipeline-parallel size")
@@ -74,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                               "(default: devices per node)")
     parser.add_argument("--top-k", type=int, default=5, help="plans to list")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--explain", action="store_true",
+                        help="sensitivity: re-run the search with each cost parameter at the ends of its plausible "
+                             "range and list the values that change the chosen placement (JSON: 'sensitivity')")
     parser.add_argument("--emit-config", metavar="FILE", default=None,
                         help="write the config snippet (pools, mapping, layouts) for `hybridflow train`")
 
@@ -94,14 +104,25 @@ def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     cluster = parse_cluster(args.cluster)
     workload = Workload(args.algorithm, args.batch, args.n, args.prompt_len, args.response_len, args.ppo_epochs,
                         args.ppo_updates, args.micro_batch, forward_micro_batch=args.forward_micro_batch)
-    params = CostParams(train_mfu=args.train_mfu, infer_mfu=args.infer_mfu, gen_mbu=args.gen_mbu,
-                        mem_usable=args.mem_usable, zero_stage=args.zero, recompute=not args.no_recompute,
-                        decode_step_overhead_s=args.decode_step_overhead, call_overhead_s=args.call_overhead,
-                        sequential_driver=not args.overlap_sets)
+    params = _params(args)
     space = SearchSpace(args.max_tp, args.max_pp, args.unit)
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
     return MappingSearch(_models(args, workload.roles), workload, cluster, params, space), workload
+
+
+def _params(args: argparse.Namespace) -> CostParams:
+    """The preset, with every cost flag the user gave replacing its value."""
+    flags = {"train_mfu": args.train_mfu, "infer_mfu": args.infer_mfu, "gen_mbu": args.gen_mbu,
+             "mem_usable": args.mem_usable, "decode_step_overhead_s": args.decode_step_overhead,
+             "call_overhead_s": args.call_overhead, "layer_overhead_s": args.layer_overhead,
+             "stage_overhead_s": args.stage_overhead, "zero_stage": args.zero}
+    changes = {k: v for k, v in flags.items() if v is not None}
+    if args.no_recompute:
+        changes["recompute"] = False
+    if args.overlap_sets:
+        changes["sequential_driver"] = False
+    return dataclasses.replace(get_cost_preset(args.cost_preset), **changes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,13 +134,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = searcher.run(args.top_k)
+    explained = _explain(searcher) if args.explain and result.best is not None else None
     if args.json:
         print(json.dumps({"cluster": str(searcher.cluster), "devices": searcher.cluster.n_devices,
                           "sequential_driver": searcher.params.sequential_driver,
                           "workload": _workload_dict(workload),
-                          "models": {r: m.name for r, m in searcher.models.items()}, **result.to_dict()}))
+                          "models": {r: m.name for r, m in searcher.models.items()}, **result.to_dict(),
+                          **({"sensitivity": explained} if explained is not None else {})}))
     else:
         print(format_result(result, searcher))
+        if explained is not None:
+            print("\n" + format_sensitivity(explained))
     if result.best is None:
         if not args.json:
             print("no plan fits: every placement runs out of device memory; use more devices or smaller models",
@@ -134,6 +159,30 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"\nwrote the config snippet to {args.emit_config}")
     return 0
+
+
+def _explain(searcher: MappingSearch) -> dict:
+    """``sensitivity`` of the searcher's best plan (the same models, workload and space)."""
+    models = {r: searcher.models.get(r) for r in searcher.workload.roles}
+    models = {r: (m if r not in VALUE_ROLES or m is None else dataclasses.replace(m, value_head=False))
+              for r, m in models.items()}
+
+    def build(params: CostParams, cluster: ClusterSpec) -> MappingSearch:
+        return MappingSearch(models, searcher.workload, cluster, params, searcher.space)
+
+    best = searcher.run(1).best
+    return sensitivity(build, searcher.params, searcher.cluster, best)
+
+
+def format_sensitivity(report: dict) -> str:
+    """The ``--explain`` report as text."""
+    head = (f"sensitivity: chosen placement {report['placement']}; "
+            + ("no parameter in its plausible range changes it" if report["robust"] else "it changes with:"))
+    rows = [[f["knob"], str(f["value"]), f["placement"], f["plan"], str(f["speedup_vs_colocate"])]
+            for f in report["flips"]]
+    if not rows:
+        return head
+    return head + "\n" + _table(["parameter", "value", "placement then", "plan then", "vs colocate"], rows)
 
 
 def _workload_dict(w: Workload) -> dict:

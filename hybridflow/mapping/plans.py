@@ -14,7 +14,7 @@ from hybridflow.mapping.dataflow import STAGES
 from hybridflow.mapping.specs import ClusterSpec, SpecError, divisors
 
 __all__ = [
-    "GB", "PhaseEstimate", "Placement", "Plan", "RoleMemory", "SearchResult", "SetEstimate", "baseline_placements",
+    "GB", "PhaseEstimate", "combine_stages", "Placement", "Plan", "RoleMemory", "SearchResult", "SetEstimate", "baseline_placements",
     "canonical", "pack_sets", "set_partitions", "set_sizes",
 ]
 
@@ -111,10 +111,11 @@ class SetEstimate:
 class Plan:
     """A placement with its allocation and layouts; ``seconds`` is the estimated iteration time (d_cost).
     ``sequential_driver``: sets take turns (True) or run a stage at the same time (False; see the module
-    docstring)."""
+    docstring); ``stage_overhead_s``: fixed seconds added to every stage (``CostParams.stage_overhead_s``)."""
 
     sets: tuple[SetEstimate, ...]
     sequential_driver: bool = True
+    stage_overhead_s: float = 0.0
 
     @property
     def placement(self) -> Placement:
@@ -126,9 +127,10 @@ class Plan:
 
     @property
     def stage_seconds(self) -> dict[str, float]:
-        """Per stage, the sum over sets (sequential driver) or the slowest set (sets run at the same time)."""
-        combine = sum if self.sequential_driver else max
-        return {stage: combine(s.stage_seconds(stage) for s in self.sets) for stage in STAGES}
+        """Per stage, the sum over sets (sequential driver) or the slowest set (sets run at the same time), plus
+        the fixed ``stage_overhead_s``."""
+        return dict(zip(STAGES, combine_stages([s.stage_vector for s in self.sets], self.sequential_driver,
+                                               self.stage_overhead_s)))
 
     @property
     def seconds(self) -> float:
@@ -176,6 +178,14 @@ class SearchResult:
                        "allocations": self.allocations, "set_evaluations": self.set_evaluations,
                        "infeasible_placements": [[list(r) for r in p] for p in self.infeasible_placements]},
         }
+
+
+def combine_stages(vectors: Sequence[Sequence[float]], sequential: bool, stage_overhead_s: float = 0.0) -> list[float]:
+    """Seconds of each stage of a plan from its sets' per-stage seconds ``vectors`` (one per set, in ``STAGES``
+    order): the sum over sets when one worker group runs at a time (``sequential``), else the slowest set
+    (HybridFlow §6: models on different devices run a stage at the same time); plus ``stage_overhead_s``."""
+    combine = sum if sequential else max
+    return [combine(column) + stage_overhead_s for column in zip(*vectors)]
 
 
 # ---------------------------------------------------------------------------------------------- placements

@@ -68,6 +68,7 @@ from hybridflow.mapping.plans import (
     SetEstimate,
     baseline_placements,
     canonical,
+    combine_stages,
     pack_sets,
     set_partitions,
     set_sizes,
@@ -396,7 +397,7 @@ class MappingSearch:
             if est is None:
                 return None
             sets.append(est)
-        return Plan(tuple(sets), self.params.sequential_driver)
+        return Plan(tuple(sets), self.params.sequential_driver, self.params.stage_overhead_s)
 
     def best_for_placement(self, placement: Sequence[Sequence[str]]) -> Plan | None:
         """The best allocation and layouts of one placement (None if it fits in no allocation)."""
@@ -420,11 +421,8 @@ class MappingSearch:
             for alloc in self.allocations(placement):
                 n_allocs += 1
                 sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
-                vectors = [s.stage_vector for s in sets]
-                if self.params.sequential_driver or len(vectors) == 1:
-                    total = sum(map(sum, vectors))
-                else:
-                    total = sum(map(max, *vectors))
+                total = sum(combine_stages([s.stage_vector for s in sets], self.params.sequential_driver,
+                                           self.params.stage_overhead_s))
                 if placement not in by_placement or total < by_placement[placement][0]:
                     by_placement[placement] = (total, alloc)
                 item = (-total, -n_allocs, placement, alloc)
