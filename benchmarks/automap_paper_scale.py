@@ -8,7 +8,8 @@ chosen placement: ``hybridflow.mapping.presets.KNOBS``). Nothing is tuned per ca
 
 Workload (the paper's §8.1 as this project reads it): 1024 prompts, 1024 prompt + 1024 response tokens, one PPO
 epoch with 8 updates (mini-batches of 128 prompts), micro-batches of 1 sequence. Actor, critic, reference and
-reward are the same Llama size (the critic and reward with a scalar head).
+reward are the same Llama size (the critic and reward with a scalar head). Training may use pp x tp x dp (the paper
+trains with Megatron-LM); generation uses tp x dp only (vLLM, as in the paper).
 
 Prints the table (Markdown) and the two trend checks; ``--json FILE`` also writes every number.
 
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from hybridflow.mapping.cost import CostParams
 from hybridflow.mapping.plans import Plan
 from hybridflow.mapping.presets import get_cost_preset
-from hybridflow.mapping.search import MappingSearch
+from hybridflow.mapping.search import MappingSearch, SearchSpace
 from hybridflow.mapping.sensitivity import placement_kind, sensitivity
 from hybridflow.mapping.specs import ClusterSpec, Workload, get_device, get_model
 
@@ -37,6 +38,8 @@ ROLES = ("actor", "critic", "reference", "reward")
 #: placement; cases without an entry are not reported there
 PAPER = {**{(size, gpus): "colocate" for size in ("7B", "13B") for gpus in (16, 32)},
          ("13B", 128): "standalone: actor 64 / critic 32 / reference 16 / reward 16"}
+#: the rollout generates with tensor and data parallelism only (vLLM in the paper; hybridflow's hf and vllm rollouts)
+SPACE = SearchSpace(max_gen_pp=1)
 WORKLOAD = Workload("ppo", batch=1024, n=1, prompt_len=1024, response_len=1024, ppo_epochs=1, ppo_updates=8,
                     micro_batch=1)
 
@@ -62,7 +65,7 @@ def run_case(size: str, gpus: int, params: CostParams, with_sensitivity: bool) -
     cluster = ClusterSpec(gpus // 8, 8, get_device("A100-80G"))
 
     def build(p: CostParams, c: ClusterSpec) -> MappingSearch:
-        return MappingSearch({r: model for r in ROLES}, WORKLOAD, c, p)
+        return MappingSearch({r: model for r in ROLES}, WORKLOAD, c, p, SPACE)
 
     start = time.perf_counter()
     result = build(params, cluster).run(top_k=3)

@@ -4,12 +4,16 @@
 - ``dataflow``: which role does what work in which stage, per algorithm.
 - ``cost``: the simulators (training/inference compute-bound, generation memory-bound) and memory per layout.
 - ``search``: Algorithm 1 (placements x allocations x layouts) with pruning and caching.
+- ``plans``: plans, set estimates and search results; placements (set partitions, baselines, packing).
+- ``presets``: named cost-parameter sets (``cpu``, ``a100-paper``) with sources and plausible ranges;
+  ``sensitivity``: which parameter, within its range, changes a recommended placement.
 - ``emit``: a plan as a config snippet for ``hybridflow train``; ``plan_cli``: ``hybridflow plan``.
 
 Pure Python: nothing here imports torch or Ray.
 """
 
 from hybridflow.mapping.cost import CostParams, Layout
+from hybridflow.mapping.presets import COST_PRESETS, get_cost_preset
 from hybridflow.mapping.search import MappingSearch, Plan, SearchResult, SearchSpace, search
 from hybridflow.mapping.specs import (
     ClusterSpec,
@@ -23,6 +27,7 @@ from hybridflow.mapping.specs import (
 )
 
 __all__ = [
-    "ClusterSpec", "CostParams", "DeviceSpec", "Layout", "MappingSearch", "ModelSpec", "Plan", "SearchResult",
-    "SearchSpace", "SpecError", "Workload", "get_device", "get_model", "parse_cluster", "search",
+    "COST_PRESETS", "ClusterSpec", "CostParams", "DeviceSpec", "Layout", "MappingSearch", "ModelSpec", "Plan",
+    "SearchResult", "SearchSpace", "SpecError", "Workload", "get_cost_preset", "get_device", "get_model",
+    "parse_cluster", "search",
 ]

@@ -18,6 +18,14 @@ With ZeRO-3 (FSDP, what hybridflow's workers run) every FSDP unit (a decoder lay
 head) all-gathers its parameters before each forward and each backward of every micro-batch and reduce-scatters
 its gradients after each backward, so these collectives are charged per unit and micro-batch.
 
+Fixed costs that do not shrink with more devices (``CostParams``; all zero by default): per decoder layer and
+micro-batch pass (kernel launches: small per-device micro-batches run below the MFU), per decode step (the
+rollout engine's CPU work), per model call (dispatch and data movement) and per stage (the driver's barrier).
+With a fixed cost per call, models on different devices that run a stage at the same time (the paper's model,
+``sequential_driver=False``) pay it once per stage instead of once per model, which is what makes splitting a
+large cluster pay off when each model's share of the work gets small. ``hybridflow.mapping.presets`` holds the
+parameter sets (``a100-paper``: the paper's testbed, each value with its source).
+
 CPU ranks (``ClusterSpec.cores_per_node``): ranks that outnumber a node's cores share them. ``rank_share`` gives
 each busy rank min(1, cores / busy ranks) of a core and ``contended`` scales the rank's CPU-bound rates by it.
 Which ranks are busy depends on the driver (``CostParams.sequential_driver``; see ``hybridflow.mapping.search``).
@@ -37,7 +45,8 @@ __all__ = [
     "CostParams", "GenerateEstimate", "Layout", "activation_bytes_infer", "activation_bytes_train",
     "allgather_time", "allreduce_time", "compute_time", "contended", "forward_flops", "fsdp_units",
     "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence", "generate_time", "infer_time", "kv_cache_bytes",
-    "layer_fixed_time", "layer_passes", "model_state_bytes", "p2p_time", "rank_share", "reshard_time", "train_flops", "train_time",
+    "layer_fixed_time", "layer_passes", "model_state_bytes", "p2p_time", "rank_share", "reshard_time",
+    "train_flops", "train_time",
 ]
 
 ACT_BYTES_PER_TOKEN_LAYER_BF16 = 34  # x hidden: Korthikanti et al. 2022, Table 2 (flash attention: no s^2 term)

@@ -18,7 +18,7 @@ import json
 import sys
 
 from hybridflow.mapping.cost import CostParams
-from hybridflow.mapping.dataflow import STAGES, VALUE_ROLES
+from hybridflow.mapping.dataflow import STAGES
 from hybridflow.mapping.emit import write_config
 from hybridflow.mapping.presets import COST_PRESETS, get_cost_preset
 from hybridflow.mapping.search import MappingSearch, Plan, SearchResult, SearchSpace
@@ -77,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space = parser.add_argument_group("search")
     space.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size (default: node size)")
     space.add_argument("--max-pp", type=int, default=None, help="largest pipeline-parallel size")
+    space.add_argument("--max-gen-pp", type=int, default=None,
+                       help="largest pipeline-parallel size of generation (1: tp x dp only, as hybridflow's rollouts "
+                            "and vLLM generate; default: --max-pp)")
     space.add_argument("--unit", type=int, default=None, help="set sizes: divisors and multiples of this "
                                                               "(default: devices per node)")
     parser.add_argument("--top-k", type=int, default=5, help="plans to list")
@@ -105,7 +108,7 @@ def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     workload = Workload(args.algorithm, args.batch, args.n, args.prompt_len, args.response_len, args.ppo_epochs,
                         args.ppo_updates, args.micro_batch, forward_micro_batch=args.forward_micro_batch)
     params = _params(args)
-    space = SearchSpace(args.max_tp, args.max_pp, args.unit)
+    space = SearchSpace(args.max_tp, args.max_pp, args.unit, args.max_gen_pp)
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
     return MappingSearch(_models(args, workload.roles), workload, cluster, params, space), workload
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = searcher.run(args.top_k)
-    explained = _explain(searcher) if args.explain and result.best is not None else None
+    explained = _explain(searcher, result.best) if args.explain and result.best is not None else None
     if args.json:
         print(json.dumps({"cluster": str(searcher.cluster), "devices": searcher.cluster.n_devices,
                           "sequential_driver": searcher.params.sequential_driver,
@@ -161,16 +164,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(searcher: MappingSearch) -> dict:
-    """``sensitivity`` of the searcher's best plan (the same models, workload and space)."""
+def _explain(searcher: MappingSearch, best: Plan) -> dict:
+    """``sensitivity`` of ``best``, re-searching with the searcher's models, workload and space."""
     models = {r: searcher.models.get(r) for r in searcher.workload.roles}
-    models = {r: (m if r not in VALUE_ROLES or m is None else dataclasses.replace(m, value_head=False))
-              for r, m in models.items()}
 
     def build(params: CostParams, cluster: ClusterSpec) -> MappingSearch:
         return MappingSearch(models, searcher.workload, cluster, params, searcher.space)
 
-    best = searcher.run(1).best
     return sensitivity(build, searcher.params, searcher.cluster, best)
 
 

@@ -14,8 +14,8 @@ from hybridflow.mapping.dataflow import STAGES
 from hybridflow.mapping.specs import ClusterSpec, SpecError, divisors
 
 __all__ = [
-    "GB", "PhaseEstimate", "combine_stages", "Placement", "Plan", "RoleMemory", "SearchResult", "SetEstimate", "baseline_placements",
-    "canonical", "pack_sets", "set_partitions", "set_sizes",
+    "GB", "PhaseEstimate", "Placement", "Plan", "RoleMemory", "SearchResult", "SetEstimate", "baseline_placements",
+    "canonical", "combine_stages", "pack_sets", "set_partitions", "set_sizes",
 ]
 
 Placement = tuple[tuple[str, ...], ...]

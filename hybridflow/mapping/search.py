@@ -85,12 +85,15 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Limits of the search: the largest tp and pp (default: devices per node, and layers) and the set-size
-    ``unit`` (default: devices per node)."""
+    """Limits of the search: the largest tp and pp (default: devices per node, and layers), the set-size ``unit``
+    (default: devices per node) and the largest pp of the actor's generation layouts (``max_gen_pp``; default: as
+    ``max_pp``; 1: the rollout engine generates with tensor and data parallelism only, as vLLM did in the paper and
+    as hybridflow's hf and vllm rollouts do)."""
 
     max_tp: int | None = None
     max_pp: int | None = None
     unit: int | None = None
+    max_gen_pp: int | None = None
 
 
 
@@ -228,6 +231,8 @@ class MappingSearch:
             model, dev = self.models["actor"], self.cluster.device
             shards, out = train.tp * train.pp, []
             for g in self.layouts("actor", n):
+                if self.space.max_gen_pp is not None and g.pp > self.space.max_gen_pp:
+                    continue
                 gs = g.tp * g.pp
                 if shards % gs and gs % shards:
                     continue

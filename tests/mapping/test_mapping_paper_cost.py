@@ -21,7 +21,7 @@ from hybridflow.mapping.cost import (
 )
 from hybridflow.mapping.plans import combine_stages
 from hybridflow.mapping.presets import COST_PRESETS, KNOBS, Knob, get_cost_preset
-from hybridflow.mapping.search import MappingSearch
+from hybridflow.mapping.search import MappingSearch, SearchSpace
 from hybridflow.mapping.sensitivity import placement_kind, sensitivity, vary
 from hybridflow.mapping.specs import ClusterSpec, SpecError, Workload, get_device, get_model
 
@@ -195,3 +195,13 @@ def test_first_trend_colocate_all_at_16_gpus(size):
 def test_second_trend_13b_at_128_gpus_is_not_colocate_all():
     row = _bench().run_case("13B", 128, get_cost_preset("a100-paper"), with_sensitivity=False)
     assert row["chosen"]["kind"] != "colocate"
+
+
+def test_max_gen_pp_keeps_generation_to_tp_and_dp():
+    wl = Workload(batch=256, prompt_len=512, response_len=512)
+    cluster = ClusterSpec(2, 8, A100)
+    models = {r: get_model("13B") for r in ROLES}
+    for space, allowed in ((SearchSpace(max_gen_pp=1), {1}), (SearchSpace(max_gen_pp=2), {1, 2})):
+        plan = MappingSearch(models, wl, cluster, CostParams(), space).plan([ROLES], [16])
+        gens = [p for p in plan.sets[0].phases if p.kind == "generate"]
+        assert gens and all(p.layout.pp in allowed for p in gens)
