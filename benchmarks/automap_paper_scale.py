@@ -11,9 +11,11 @@ epoch with 8 updates (mini-batches of 128 prompts), micro-batches of 1 sequence.
 reward are the same Llama size (the critic and reward with a scalar head). Training may use pp x tp x dp (the paper
 trains with Megatron-LM); generation uses tp x dp only (vLLM, as in the paper).
 
-Prints the table (Markdown) and the two trend checks; ``--json FILE`` also writes every number.
+Prints ONE JSON object (every number, the two trend checks); ``--table``: the Markdown table and the trend
+checks instead (the README shows that output).
 
-    python benchmarks/automap_paper_scale.py [--sizes 7B 13B 34B 70B] [--gpus 16 32 64 96 128] [--no-sensitivity]
+    python benchmarks/automap_paper_scale.py [--table] [--sizes 7B 13B 34B 70B] [--gpus 16 32 64 96 128]
+                                             [--no-sensitivity]
 """
 
 from __future__ import annotations
@@ -137,20 +139,22 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=["7B", "13B", "34B", "70B"])
     parser.add_argument("--gpus", nargs="+", type=int, default=[16, 32, 64, 96, 128])
     parser.add_argument("--no-sensitivity", action="store_true", help="skip the sensitivity searches")
-    parser.add_argument("--json", metavar="FILE", default=None, help="also write every number as JSON")
+    parser.add_argument("--table", action="store_true", help="print the Markdown table instead of JSON")
     args = parser.parse_args()
     logging.getLogger("hybridflow.mapping").setLevel(logging.WARNING)
     params = get_cost_preset("a100-paper")
     rows = [run_case(size, gpus, params, not args.no_sensitivity) for size in args.sizes for gpus in args.gpus]
     checks = trends(rows)
+    if not args.table:
+        print(json.dumps({"device": "A100-80G", "workload": dataclasses.asdict(WORKLOAD),
+                          "space": dataclasses.asdict(SPACE), "cost_params": dataclasses.asdict(params),
+                          "cases": rows, "trends": checks,
+                          "max_search_seconds": max(r["search_seconds"] for r in rows)}, indent=1))
+        return
     print(table(rows))
     print(f"\ncolocate-all chosen for 7B and 13B at 16 GPUs: {checks['colocate_for_7B_and_13B_at_16']}; "
           f"13B at 128 GPUs not colocate-all: {checks['not_colocate_for_13B_at_128']}; "
           f"slowest search: {max(r['search_seconds'] for r in rows):.2f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": "A100-80G", "workload": dataclasses.asdict(WORKLOAD),
-                       "cost_params": dataclasses.asdict(params), "cases": rows, "trends": checks}, f, indent=1)
 
 
 if __name__ == "__main__":

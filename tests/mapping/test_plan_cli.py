@@ -112,3 +112,37 @@ def test_grpo_snippet_maps_every_config_role_and_sets_the_estimator(tmp_path, ca
     assert cfg.actor_rollout_ref.rollout.n == 8
     assert set(cfg.resource_pool.mapping) == {"actor", "critic", "reward"}
     assert set(cfg.resource_pool.mapping.values()) <= set(cfg.resource_pool.pools)
+
+
+def test_cost_preset_flags_override_it_and_explain_lists_every_knob_value(capsys):
+    from hybridflow.mapping.presets import KNOBS
+
+    args = ["plan", "--cluster", "2x8:A100-80G", "--actor", "7B", "--cost-preset", "a100-paper", "--call-overhead",
+            "0.5", "--max-gen-pp", "1", "--top-k", "1", "--json", "--explain"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sequential_driver"] is False  # from the preset
+    assert all(p["layout"][0] == 1 for s in out["best"]["sets"] for p in s["phases"] if p["kind"] == "generate")
+    sens = out["sensitivity"]
+    assert len(sens["checked"]) == sum(len(k.values) for k in KNOBS)
+    assert sens["robust"] == (not sens["flips"]) and sens["placement"] == "colocate"
+    assert main(["plan", "--cluster", "2x8:A100-80G", "--actor", "7B", "--cost-preset", "a100-paper", "--top-k", "1",
+                 "--explain"]) == 0
+    assert "sensitivity: chosen placement colocate" in capsys.readouterr().out
+
+
+def test_cost_preset_params():
+    import argparse
+
+    from hybridflow.mapping.plan_cli import _params, add_arguments
+    from hybridflow.mapping.presets import get_cost_preset
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--cluster", "1x8:A100-80G", "--actor", "7B"]
+    assert _params(parser.parse_args(base)) == get_cost_preset("cpu")
+    params = _params(parser.parse_args(base + ["--cost-preset", "a100-paper", "--call-overhead", "0.5", "--zero", "3",
+                                               "--no-recompute"]))
+    paper = get_cost_preset("a100-paper")
+    assert (params.call_overhead_s, params.zero_stage, params.recompute) == (0.5, 3, False)
+    assert (params.layer_overhead_s, params.sequential_driver) == (paper.layer_overhead_s, False)
