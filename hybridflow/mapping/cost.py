@@ -22,8 +22,9 @@ Fixed costs that do not shrink with more devices (``CostParams``; all zero by de
 micro-batch pass (kernel launches: small per-device micro-batches run below the MFU), per decode step (the
 rollout engine's CPU work), per model call (dispatch and data movement) and per stage (the driver's barrier).
 With a fixed cost per call, models on different devices that run a stage at the same time (the paper's model,
-``sequential_driver=False``) pay it once per stage instead of once per model, which is what makes splitting a
-large cluster pay off when each model's share of the work gets small. ``hybridflow.mapping.presets`` holds the
+``sequential_driver=False``) pay it once per stage instead of once per model, which favours splitting a large
+cluster when each model's share of the work gets small (whether enough to change a placement depends on the
+sizes: README, Auto-mapper). ``hybridflow.mapping.presets`` holds the
 parameter sets (``a100-paper``: the paper's testbed, each value with its source).
 
 CPU ranks (``ClusterSpec.cores_per_node``): ranks that outnumber a node's cores share them. ``rank_share`` gives

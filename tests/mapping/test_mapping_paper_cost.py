@@ -90,11 +90,15 @@ def test_generate_time_pays_layer_and_step_overheads():
 
 
 def test_generation_per_sequence_cost_falls_with_the_batch_per_replica():
-    """Memory-bound decode: the weight read is shared by the batch, so 8x the sequences on one replica costs far
-    less than 8x the time (7B: 13.5 GB of weights per step vs 0.5 MB of KV per token)."""
-    one = generate_time(M7, Layout(1, 1, 1), 1, 1024, 1024, 60e9, NODE, CostParams())
-    eight = generate_time(M7, Layout(1, 1, 1), 8, 1024, 1024, 60e9, NODE, CostParams())
-    assert eight.waves == 1 and eight.seconds < 2 * one.seconds
+    """Memory-bound decode (7B on one A100, 1024 + 1024 tokens): each step reads the 13,476,831,232 weight bytes
+    once for the whole batch, plus 524,288 KV bytes per token x 1536 tokens (mean length) per sequence, at
+    2.0 TB/s x 0.7; the prompt pass is 2N x 1024 FLOP per sequence at 312 TFLOP/s x 0.5."""
+    weights, kv_seq, bw, flops = 13_476_831_232, 524_288 * 1536, 2.0e12 * 0.7, 312e12 * 0.5
+    n = 6_738_415_616
+    expected = {b: 2 * n * 1024 * b / flops + 1024 * (weights + b * kv_seq) / bw for b in (1, 8)}
+    got = {b: generate_time(M7, Layout(1, 1, 1), b, 1024, 1024, 60e9, NODE, CostParams()) for b in (1, 8)}
+    assert got[1].seconds == pytest.approx(expected[1]) and got[8].seconds == pytest.approx(expected[8])
+    assert got[8].waves == 1 and got[8].seconds / 8 < got[1].seconds / 5  # 1.9 s vs 10.5 s per sequence
 
 
 def test_combine_stages_sum_or_slowest_plus_stage_overhead():
