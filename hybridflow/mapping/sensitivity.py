@@ -8,6 +8,8 @@ placement does not. Each knob costs one search per value (about 0.1-1 s at the p
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 from hybridflow.mapping.cost import CostParams
@@ -15,6 +17,9 @@ from hybridflow.mapping.plans import Placement, Plan, baseline_placements
 from hybridflow.mapping.presets import KNOBS, Knob
 from hybridflow.mapping.search import MappingSearch
 from hybridflow.mapping.specs import ClusterSpec
+
+logger = logging.getLogger(__name__)
+SEARCH_LOGGER = logging.getLogger("hybridflow.mapping.search")
 
 __all__ = ["placement_kind", "sensitivity", "vary"]
 
@@ -58,6 +63,19 @@ def sensitivity(build: Callable[[CostParams, ClusterSpec], MappingSearch], param
     roles = [r for s in best.placement for r in s]
     base_kind = placement_kind(best.placement, roles)
     flips, checked = [], []
+    start, level = time.perf_counter(), SEARCH_LOGGER.level
+    SEARCH_LOGGER.setLevel(max(level, logging.WARNING))  # one line for all the re-searches, not one each
+    try:
+        _vary_all(build, params, cluster, best, knobs, roles, flips, checked)
+    finally:
+        SEARCH_LOGGER.setLevel(level)
+    logger.info("sensitivity: %d searches in %.2f s, %d flips", len(checked), time.perf_counter() - start, len(flips))
+    return {"placement": base_kind, "robust": not flips, "flips": flips, "checked": checked}
+
+
+def _vary_all(build: Callable[[CostParams, ClusterSpec], MappingSearch], params: CostParams, cluster: ClusterSpec,
+              best: Plan, knobs: Sequence[Knob], roles: list[str], flips: list[dict], checked: list[dict]) -> None:
+    """The loop of ``sensitivity``: appends to ``flips`` and ``checked``."""
     for knob in knobs:
         for value in knob.values:
             p, c = vary(params, cluster, knob, value)
@@ -72,4 +90,3 @@ def sensitivity(build: Callable[[CostParams, ClusterSpec], MappingSearch], param
                 flips.append({"knob": knob.name, "value": value, "placement": kind, "plan": result.best.describe(),
                               "speedup_vs_colocate": (None if colocate is None
                                                       else round(colocate.seconds / result.best.seconds, 3))})
-    return {"placement": base_kind, "robust": not flips, "flips": flips, "checked": checked}

@@ -154,9 +154,9 @@ def test_vary_and_placement_kind():
 
 
 def test_sensitivity_reports_the_knob_that_flips_a_placement():
-    """With overlapping sets, two sets that each run half of the prepare and train stages can win; with the
-    sequential driver they cannot beat colocation by more than the memory it frees, so a flip back to colocate
-    is what a sequential-driver knob shows on 70B at 96 GPUs."""
+    """70B on 96 GPUs: with overlapping sets two sets of two models win; with the sequential driver the sets take
+    turns, so a split only gives each model fewer devices and colocate-all comes back. A placement-neutral knob
+    (the per-stage overhead) flips nothing."""
     wl = Workload(ppo_updates=8)
     cluster = ClusterSpec(12, 8, A100)
     paper = get_cost_preset("a100-paper")
