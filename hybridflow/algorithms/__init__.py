@@ -37,6 +37,7 @@ from hybridflow.algorithms.losses import (
 )
 from hybridflow.algorithms.registry import UnknownNameError
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, compute_safe_rlhf_advantage
+from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits, truncation_mask
 from hybridflow.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "LagrangeMultiplier",
+    "SamplingSpec",
     "UnknownNameError",
     "agg_loss",
     "compute_gae_advantage_return",
@@ -71,4 +73,6 @@ __all__ = [
     "masked_whiten",
     "register_adv_est",
     "register_policy_loss",
+    "sampling_logits",
+    "truncation_mask",
 ]

@@ -3,19 +3,28 @@
 A mode is a pair of functions (``DispatchMode``):
 
 * ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``: per-rank arguments (``plan.args[i][r]`` is
-  positional argument ``i`` for rank ``r``), the ranks whose outputs count (``collect_ranks``) and the number of
-  padding rows added to the batch (``pad_size``). ``worker_group`` offers ``world_size`` and
-  ``dispatch_info(mesh_name)``.
-* ``collect_fn(outputs) -> result``: ``outputs`` are those of ``collect_ranks``, in that order. The worker group
-  removes ``pad_size`` rows from the result afterwards.
+  positional argument ``i`` for rank ``r``), the ranks whose outputs count (``collect_ranks``), the number of
+  padding rows added to the batch (``pad_size``) and, when it padded, where the padding went (``padding``: per
+  rank, the rows of its chunk and how many of them, at the chunk's end, are padding). ``worker_group`` offers
+  ``world_size`` and ``dispatch_info(mesh_name)``.
+* ``collect_fn(outputs) -> result``: ``outputs`` are those of ``collect_ranks``, in that order, with the rows
+  that the padding produced already removed (see "Padding" below).
+
+Padding: a batch of ``B`` rows split into ``C`` chunks is padded to a multiple of ``C`` with copies of its first
+rows, appended at the end, so the padding sits at the end of the last chunk(s). A method may return any number
+of rows per input row (a rollout with ``n`` samples per prompt returns ``n``), so the padding is removed from the
+*outputs*: a rank whose chunk is all padding is dropped; a rank whose chunk of ``k`` rows ends with ``p`` padding
+rows returned ``m`` rows, i.e. ``m / k`` per input row, and its last ``p * m / k`` rows are dropped. This needs
+the method to keep each input row's outputs together and in input order (e.g. ``repeat(n, interleave=True)``);
+a chunk with padding whose output size is not a multiple of its input size raises ``ValueError``.
 
 Built-in modes (``B``: batch rows, ``W``: world size, ``D``: data-parallel size of a mesh):
 
 * ``ONE_TO_ALL``: every rank gets the same arguments; result: the list of the ``W`` outputs.
 * ``ALL_TO_ALL``: every argument is a list of length ``W``; rank ``r`` gets element ``r``; result: list.
 * ``DP_COMPUTE_PROTO``: every ``DataProto`` argument is padded to a multiple of ``W`` and split into ``W``
-  chunks (rank ``r`` gets rows ``[r*k, (r+1)*k)``); other arguments are broadcast; result: the outputs
-  concatenated in rank order, padding removed. A ``DataProtoFuture`` argument is chunked lazily and cannot be
+  chunks (rank ``r`` gets rows ``[r*k, (r+1)*k)``); other arguments are broadcast; result: the outputs, padding
+  removed, concatenated in rank order. A ``DataProtoFuture`` argument is chunked lazily and cannot be
   padded: its batch must be divisible by ``W`` (else the worker raises when it materializes its chunk).
 * ``RANK_ZERO``: same arguments everywhere; result: rank 0's output (use with ``Execute.RANK_ZERO``).
 * ``MESH_COMPUTE_PROTO`` (``mesh_name``): each rank declared ``(dp_rank, is_collect)`` for the mesh; the batch is
@@ -69,13 +78,16 @@ class DispatchPlan:
 
     ``args[i][r]``: positional argument ``i`` for rank ``r``; ``kwargs[name][r]`` likewise. Every list has
     ``world_size`` entries. ``collect_ranks``: ranks whose outputs the collect function gets, in that order
-    (``None``: every executed rank, in rank order). ``pad_size``: rows to remove from the collected ``DataProto``.
+    (``None``: every executed rank, in rank order). ``pad_size``: padding rows added to the input batch.
+    ``padding``: required when ``pad_size > 0``; per rank ``(rows, padding_rows)``: the rows of the batch chunk
+    the rank got and how many of them, at the chunk's end, are padding (see the module docstring).
     """
 
     args: tuple[list, ...]
     kwargs: dict[str, list]
     collect_ranks: Optional[list[int]] = None
     pad_size: int = 0
+    padding: Optional[list[tuple[int, int]]] = None
 
 
 @dataclass(frozen=True)
@@ -122,20 +134,51 @@ class MeshDispatchInfo:
 
 
 class Collector:
-    """Picklable ``outputs of every executed rank -> result``: keep the counted positions, collect, unpad."""
+    """Picklable ``outputs of every executed rank -> result``: keep the counted positions, drop the rows that
+    dispatch padding produced, collect.
 
-    def __init__(self, collect_fn: Callable[[list], Any], positions: list[int], pad_size: int) -> None:
-        self.collect_fn, self.positions, self.pad_size = collect_fn, positions, pad_size
+    Args:
+        collect_fn: the dispatch mode's collect function.
+        positions: indices, into the executed ranks' outputs, of the counted outputs (in collect order).
+        padding: per counted output ``(rows, padding_rows)`` of its input chunk (``None``: nothing was padded).
+    """
+
+    def __init__(self, collect_fn: Callable[[list], Any], positions: list[int],
+                 padding: Optional[list[tuple[int, int]]] = None) -> None:
+        self.collect_fn, self.positions = collect_fn, positions
+        self.padding = padding if padding and any(pad for _, pad in padding) else None
 
     def __call__(self, outputs: list) -> Any:
-        result = self.collect_fn([outputs[p] for p in self.positions])
-        if self.pad_size:
-            if not isinstance(result, DataProto):
-                raise TypeError(
-                    f"the batch was padded, so the collected result must be a DataProto, got {type(result).__name__}"
-                )
-            result = unpad_dataproto(result, self.pad_size)
-        return result
+        counted = [outputs[p] for p in self.positions]
+        if self.padding is not None:
+            kept = [(i, out, rows, pad) for i, (out, (rows, pad)) in enumerate(zip(counted, self.padding))
+                    if pad < rows]  # an output computed from padding only is dropped whole
+            counted = [drop_padding_rows(out, rows, pad, f"output {i} of {len(self.padding)}")
+                       for i, out, rows, pad in kept]
+        return self.collect_fn(counted)
+
+
+def drop_padding_rows(output: Any, rows: int, pad: int, what: str = "output") -> Any:
+    """``output`` of a chunk of ``rows`` input rows whose last ``pad`` are padding, without the rows the padding
+    produced: the method returned ``len(output) / rows`` rows per input row, so the last ``pad`` times that many
+    are dropped. ``pad == 0`` returns ``output`` itself.
+
+    Raises:
+        TypeError: ``pad > 0`` and ``output`` is not a ``DataProto``.
+        ValueError: ``len(output)`` is not a multiple of ``rows`` (the padding's outputs cannot be located).
+    """
+    if pad == 0:
+        return output
+    if not isinstance(output, DataProto):
+        raise TypeError(f"the batch was padded, so {what} must be a DataProto, got {type(output).__name__}")
+    if len(output) % rows:
+        raise ValueError(
+            f"{what}: the method returned {len(output)} rows for an input chunk of {rows} rows whose last {pad} are "
+            f"dispatch padding; it must return the same number of rows for every input row, each input row's "
+            f"rows together and in input order (e.g. repeat(n, interleave=True)), so the padding's rows can be "
+            f"removed; or give the method a batch divisible by the number of chunks"
+        )
+    return unpad_dataproto(output, pad * (len(output) // rows))
 
 
 # ---------------------------------------------------------------------- helpers
@@ -150,8 +193,9 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
     """Per-rank arguments: every DataProto(Future) argument is padded and split into ``chunks`` pieces and rank
     ``r`` gets piece ``chunk_of_rank[r]``; other arguments are broadcast.
 
-    Returns ``(args, kwargs, pad_size)``. With ``put_chunks`` each ``DataProto`` piece is ``ray.put`` once and its
-    ``ObjectRef`` shared by every rank that gets that piece.
+    Returns ``(args, kwargs, pad_size, padding)``; ``padding[r]`` is ``(rows, padding_rows)`` of rank ``r``'s
+    chunk (None without DataProto arguments). With ``put_chunks`` each ``DataProto`` piece is ``ray.put`` once and
+    its ``ObjectRef`` shared by every rank that gets that piece.
 
     Raises ``DispatchError`` when DataProto arguments differ in batch size, or when padding would be needed
     alongside a ``DataProtoFuture`` (whose size is unknown).
@@ -160,7 +204,8 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
     sizes = {name: len(v) for name, v in named if isinstance(v, DataProto)}
     if len(set(sizes.values())) > 1:
         raise DispatchError(f"DataProto arguments must have the same batch size, got {sizes}")
-    pad_size = (-next(iter(sizes.values()), 0)) % chunks
+    batch = next(iter(sizes.values()), 0)
+    pad_size = (-batch) % chunks
     futures = [name for name, v in named if isinstance(v, DataProtoFuture)]
     if pad_size and futures:
         raise DispatchError(
@@ -180,7 +225,11 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
             return _broadcast(value, world)
         return [pieces[c] for c in chunk_of_rank]
 
-    return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}, pad_size
+    padding = None
+    if sizes:
+        rows = (batch + pad_size) // chunks  # the padding rows are the last pad_size of the padded batch
+        padding = [(rows, min(rows, max(0, (c + 1) * rows - batch))) for c in chunk_of_rank]
+    return tuple(per_rank(a) for a in args), {k: per_rank(v) for k, v in kwargs.items()}, pad_size, padding
 
 
 # ---------------------------------------------------------------------- built-in modes
@@ -214,16 +263,16 @@ def dispatch_rank_zero(worker_group: Any, *args: Any, **kwargs: Any) -> Dispatch
 def dispatch_dp_compute_data_proto(worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
     """Split ``DataProto`` arguments into ``world_size`` chunks, padding if needed; broadcast the rest."""
     n = worker_group.world_size
-    args, kwargs, pad_size = _scatter(args, kwargs, n, list(range(n)), put_chunks=False)
-    return DispatchPlan(args, kwargs, pad_size=pad_size)
+    args, kwargs, pad_size, padding = _scatter(args, kwargs, n, list(range(n)), put_chunks=False)
+    return DispatchPlan(args, kwargs, pad_size=pad_size, padding=padding)
 
 
 def dispatch_mesh_compute_data_proto(mesh_name: str, worker_group: Any, *args: Any, **kwargs: Any) -> DispatchPlan:
     """Split ``DataProto`` arguments into ``dp_size`` chunks of mesh ``mesh_name``; rank ``r`` gets the chunk of
     its dp rank (one ``ray.put`` per chunk, shared by its peers); only collecting ranks' outputs count."""
     info = worker_group.dispatch_info(mesh_name)
-    args, kwargs, pad_size = _scatter(args, kwargs, info.dp_size, list(info.dp_rank), put_chunks=True)
-    return DispatchPlan(args, kwargs, collect_ranks=list(info.collect_ranks), pad_size=pad_size)
+    args, kwargs, pad_size, padding = _scatter(args, kwargs, info.dp_size, list(info.dp_rank), put_chunks=True)
+    return DispatchPlan(args, kwargs, collect_ranks=list(info.collect_ranks), pad_size=pad_size, padding=padding)
 
 
 def collect_all_to_all(outputs: list) -> list:

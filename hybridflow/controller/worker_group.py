@@ -165,7 +165,8 @@ class _WorkerGroupBase:
             )
             for r in ranks
         ]
-        collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], plan.pad_size)
+        padding = None if plan.padding is None else [plan.padding[r] for r in counted]
+        collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
         if not spec.blocking:
             if mode.returns_proto:
                 return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks))
@@ -176,11 +177,19 @@ class _WorkerGroupBase:
         n = self.world_size
         lengths = {f"argument {i}": len(a) for i, a in enumerate(plan.args)}
         lengths.update({f"argument {k!r}": len(v) for k, v in plan.kwargs.items()})
+        if plan.padding is not None:
+            lengths["padding"] = len(plan.padding)
         bad = {k: v for k, v in lengths.items() if v != n}
         if bad:
             raise DispatchError(
                 f"{self._name}.{method_name}(): the dispatch function must give one value per rank "
                 f"({n}), got lengths {bad}"
+            )
+        if plan.pad_size and plan.padding is None:
+            raise DispatchError(
+                f"{self._name}.{method_name}(): the dispatch function padded the batch (pad_size={plan.pad_size}) "
+                "but gave no DispatchPlan.padding (per rank: chunk rows, padding rows), so the rows the padding "
+                "produced cannot be removed from the outputs"
             )
 
     def __repr__(self) -> str:

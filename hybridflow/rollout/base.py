@@ -15,6 +15,28 @@ worker owns one backend and drives it through a small lifecycle:
 
 Backends register under a name with :func:`register_rollout` and are looked up with
 :func:`get_rollout_class` (the ``actor_rollout_ref.rollout.name`` config key).
+
+Sampling logprobs (the contract every backend and the trainer keep)
+-------------------------------------------------------------------
+``rollout_log_probs[i, t]`` is ``log mu(a_t)``, where ``mu`` is the distribution the sampler actually drew
+``a_t`` from: the logits divided by the temperature, restricted to the top-k tokens, then to the top-p nucleus,
+and renormalised (:func:`hybridflow.algorithms.sampling.sampling_logits` defines it; the ``hf`` backend samples
+with that function, the ``vllm`` backend asks vLLM for ``logprobs_mode="processed_logprobs"``, which applies the
+same rule). Greedy decoding (``do_sample`` false or temperature 0) records the plain ``log_softmax`` of the raw
+logits.
+
+The trainer takes the policy's logprobs under the same transform of its own logits (``old_log_probs`` and the
+current logprobs of the loss; :class:`hybridflow.workers.ppo_actor.PPOActor`), keeping the sampled token in the
+kept set even where the recomputed logits would put it just outside. So on-policy ``pi_old / mu = 1`` on
+every sampled token (up to numerics), and the PPO ratio ``pi_theta / pi_old`` and the importance weights
+``pi_old / mu`` (``bypass_old_log_prob``, TIS, AIPO) compare the same kind of distribution. Why truncated and
+not the full softmax on both sides: an importance weight ``pi / mu`` needs ``mu > 0`` wherever ``pi > 0``, and
+``mu`` is 0 outside the kept set, so only the truncated policy (the sampler as deployed) can be corrected for
+with these samples; under the full softmax ``pi / mu = pi(kept set) < 1`` on every token, a bias. The gradient
+of ``log pi_K(a)`` moves the logits of the kept tokens only (the kept set is piecewise constant: no gradient).
+The reference policy's logprobs (``ref_log_prob``) use the temperature only: the KL term measures the sampler's
+distance from the full reference distribution, which is ``>= -log(mass kept)`` per token even before the first
+update when top-k / top-p are set.
 """
 
 from __future__ import annotations
@@ -87,7 +109,9 @@ class BaseRollout(abc.ABC):
         Returns:
             A DataProto with (B*n) rows, prompt i's n samples at rows i*n .. i*n+n-1, holding at least
             ``prompts`` (B*n, P), ``responses`` (B*n, R), ``input_ids``, ``attention_mask``,
-            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R) and ``rollout_log_probs`` (B*n, R).
+            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R) and ``rollout_log_probs`` (B*n, R) float32,
+            the logprob of each sampled token under the distribution it was drawn from (after temperature and
+            top-k / top-p truncation, renormalised; see "Sampling logprobs" above), 0 where the mask is 0.
             B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
 
         Raises:

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
+from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
@@ -26,32 +27,6 @@ from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt
 logger = logging.getLogger(__name__)
 
 __all__ = ["HFRollout"]
-
-
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k, then outside the nucleus of mass top_p, to -inf.
-
-    Args:
-        logits: (N, V) float, already divided by the temperature.
-        top_k: keep the k largest logits per row (ties at the k-th value are kept); <= 0 disables.
-        top_p: keep the smallest prefix of tokens, by decreasing probability, whose mass reaches
-            top_p (the most likely token is always kept); 1.0 disables. Holtzman et al. 2020, Sec. 3.1.
-
-    Returns:
-        (N, V) float, the filtered logits (a new tensor).
-    """
-    if 0 < top_k < logits.shape[-1]:
-        kth_value = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_value, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_remove = mass_before >= top_p
-        sorted_remove[:, 0] = False
-        remove = torch.zeros_like(sorted_remove).scatter(-1, sorted_idx, sorted_remove)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
 
 
 def _next_tokens(
@@ -65,8 +40,9 @@ def _next_tokens(
     """Pick one token per row and its log-probability.
 
     Greedy (``do_sample`` false or ``temperature == 0``): argmax, logprob under log_softmax(logits).
-    Sampling: draw from softmax(filter(logits / temperature)); the logprob is under that same
-    renormalized distribution.
+    Sampling: draw from the tempered, top-k / top-p truncated and renormalized distribution
+    (:func:`~hybridflow.algorithms.sampling.sampling_logits`, the definition the trainer recomputes with);
+    the logprob is under that same distribution.
 
     Args:
         logits: (N, V) float32 logits of the last position.
@@ -78,7 +54,7 @@ def _next_tokens(
         tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
     else:
-        logprobs = _filter_logits(logits / temperature, top_k, top_p).log_softmax(dim=-1)
+        logprobs = sampling_logits(logits, SamplingSpec(temperature, top_k, top_p)).log_softmax(dim=-1)
         tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 

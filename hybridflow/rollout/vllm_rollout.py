@@ -14,8 +14,8 @@ benchmarks) the engine starts its own one-process world. One engine per process.
 Sampling matches the ``hf`` backend: prompts are passed as token ids with the left padding stripped (never
 re-tokenized); ``logprobs_mode="processed_logprobs"`` makes vLLM return the logprob of each sampled token under
 the distribution it was drawn from (temperature, top-k, top-p applied and renormalized; greedy: plain
-log_softmax), which is what the trainer recomputes; every eos id stops a row (vLLM's own eos handling is off,
-so the stop set is exactly ours).
+log_softmax), which is what the trainer recomputes (the contract in :mod:`hybridflow.rollout.base`); every
+eos id stops a row (vLLM's own eos handling is off, so the stop set is exactly ours).
 
 On CPU, prefill is not chunked (``enable_chunked_prefill=False``): vLLM rewinds a seeded request's generator
 when it splits the prompt over engine steps, which CPU generators do not support (the engine crashes once a batch

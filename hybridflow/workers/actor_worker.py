@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.controller import Dispatch, Execute, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, open_store
@@ -110,7 +111,8 @@ class ActorRolloutRefWorker(Worker):
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
-        temperature = cfg.rollout.temperature
+        # the distribution the rollout samples from, which the actor's logprobs are taken under (see PPOActor)
+        sampling = SamplingSpec.of(cfg.rollout.do_sample, cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
         if self._has_actor:
             module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             if cfg.model.enable_gradient_checkpointing:
@@ -118,7 +120,7 @@ class ActorRolloutRefWorker(Worker):
             module = parallelize_model(module.to(self.device), mesh)
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
-            self.actor = PPOActor(module, optimizer, cfg.actor, temperature, self.config.trainer.nonfinite_grad)
+            self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad)
         if self._has_rollout:
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
@@ -134,7 +136,8 @@ class ActorRolloutRefWorker(Worker):
         if self._has_ref:
             ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             ref.requires_grad_(False)
-            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor, temperature)
+            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor,
+                                SamplingSpec(sampling.temperature))
 
     def _build_hybrid_engine(self, mesh, rollout_cfg, eos) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the

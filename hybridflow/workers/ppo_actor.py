@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits
+from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
@@ -21,25 +22,31 @@ class PPOActor:
         module: the causal LM (possibly FSDP2-sharded).
         optimizer: optimizer over ``module``'s parameters (None for a frozen reference policy).
         config: the ``actor_rollout_ref.actor`` config section.
-        temperature: the rollout sampling temperature; logits are divided by it so the recomputed
-            logprobs are those of the distribution the rollout sampled from.
+        sampling: what the rollout's sampler does to the logits (temperature, top-k, top-p; see
+            :mod:`hybridflow.algorithms.sampling`). Every logprob and entropy here is of that distribution, so
+            the recomputed old logprobs are those of the distribution the rollout sampled from (the contract of
+            :mod:`hybridflow.rollout.base`); the sampled token is always kept in the truncated set. A reference
+            policy gets the temperature only (its logprobs anchor the KL term, see README "Sampling logprobs").
         nonfinite_grad: ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
             ``actor/skipped_steps``); ``error`` raises ``FloatingPointError`` instead. Either way the
             non-finite gradient never reaches the weights.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer, config, temperature: float,
+    def __init__(self, module: torch.nn.Module, optimizer, config, sampling: SamplingSpec,
                  nonfinite_grad: str = "skip") -> None:
+        if not isinstance(sampling, SamplingSpec):
+            raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
         self.module = module
         self.nonfinite_grad = nonfinite_grad
         self.optimizer = optimizer
         self.config = config
-        self.temperature = temperature if temperature > 0 else 1.0
+        self.sampling = sampling
         self.skipped_steps = 0
 
     def _log_prob(self, micro: DataProto, calculate_entropy: bool):
         responses = micro.batch["responses"]
-        logits = response_forward(self.module, micro, responses.shape[1]).float() / self.temperature
+        logits = response_forward(self.module, micro, responses.shape[1]).float()
+        logits = sampling_logits(logits, self.sampling, keep=responses)
         log_prob = logprobs_from_logits(logits, responses)
         entropy = entropy_from_logits(logits) if calculate_entropy else None
         return log_prob, entropy

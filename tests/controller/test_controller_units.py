@@ -99,8 +99,38 @@ def test_dp_plan_pads_and_collect_unpads():
     chunks, scalars = plan.args
     assert [c.batch["x"].tolist()[:2] for c in chunks] == [[0, 1], [3, 4]] and [len(c) for c in chunks] == [3, 3]
     assert scalars == [7, 7] and plan.kwargs == {"flag": ["k", "k"]}
-    out = Collector(collect_dp_compute_data_proto, [0, 1], plan.pad_size)(chunks)
+    assert plan.padding == [(3, 0), (3, 1)]  # rank 1's chunk: rows 3, 4 and one padding row at its end
+    out = Collector(collect_dp_compute_data_proto, [0, 1], plan.padding)(chunks)
     assert out.batch["x"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_dp_plan_padding_spans_several_chunks():
+    # 1 row over 4 ranks: padded with 3 copies of row 0, so ranks 1..3 hold padding only
+    plan = dispatch_dp_compute_data_proto(FakeGroup(4), rows(1))
+    assert (plan.pad_size, plan.padding) == (3, [(1, 0), (1, 1), (1, 1), (1, 1)])
+    # 5 rows over 4 ranks: 8 rows of 2 per chunk; rows 5..7 are padding: half of chunk 2, all of chunk 3
+    plan = dispatch_dp_compute_data_proto(FakeGroup(4), rows(5))
+    assert (plan.pad_size, plan.padding) == (3, [(2, 0), (2, 0), (2, 1), (2, 2)])
+    assert dispatch_dp_compute_data_proto(FakeGroup(2), rows(4)).padding == [(2, 0), (2, 0)]
+    assert dispatch_dp_compute_data_proto(FakeGroup(2), 7).padding is None  # no DataProto argument
+
+
+@pytest.mark.parametrize("batch,n", [(1, 2), (3, 2), (5, 3), (5, 1), (4, 3)])
+def test_collect_removes_the_rows_padding_produced_when_a_method_repeats_rows(batch, n):
+    """A method returning n rows per input row (a rollout's n samples): the padding's n rows each go."""
+    plan = dispatch_dp_compute_data_proto(FakeGroup(2), rows(batch))
+    outputs = [chunk.repeat(n, interleave=True) for chunk in plan.args[0]]  # what each rank would return
+    out = Collector(collect_dp_compute_data_proto, [0, 1], plan.padding)(outputs)
+    assert out.batch["x"].tolist() == [i for i in range(batch) for _ in range(n)]
+
+
+def test_collect_rejects_padded_output_it_cannot_unpad():
+    plan = dispatch_dp_compute_data_proto(FakeGroup(2), rows(3))  # rank 1: rows 2 and a padding row
+    outputs = [plan.args[0][0], rows(3)]  # rank 1 returned 3 rows for its 2 input rows
+    with pytest.raises(ValueError, match="output 1 of 2: the method returned 3 rows for an input chunk of 2 rows"):
+        Collector(collect_dp_compute_data_proto, [0, 1], plan.padding)(outputs)
+    with pytest.raises(TypeError, match="output 1 of 2 must be a DataProto, got dict"):
+        Collector(collect_dp_compute_data_proto, [0, 1], plan.padding)([rows(2), {"x": 1}])
 
 
 def test_dp_plan_rejects_mismatched_batches():
@@ -148,7 +178,7 @@ def test_registry_lookup_and_duplicates():
 # ---------------------------------------------------------------------- futures
 def test_future_chunks_lazily_and_materializes_in_registered_method(ray_session):
     refs = [ray.put(rows(3, 0)), ray.put(rows(3, 3))]
-    future = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 1], 0), refs)
+    future = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 1]), refs)
     first, second = future.chunk(2)
 
     @register(Dispatch.DP_COMPUTE_PROTO)

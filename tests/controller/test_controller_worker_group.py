@@ -26,7 +26,7 @@ from hybridflow.controller import (
     register,
     register_dispatch_mode,
 )
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, pad_dataproto_to_divisor
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,6 +47,16 @@ def _dispatch_same(worker_group, *args, **kwargs):
 register_dispatch_mode("hf_test_sum", _dispatch_same, _sum_outputs)
 
 
+def _dispatch_pad_without_padding(worker_group, data):
+    """A custom mode that pads but does not say where the padding went (DispatchPlan.padding)."""
+    n = worker_group.world_size
+    padded, pad = pad_dataproto_to_divisor(data, n)
+    return DispatchPlan((padded.chunk(n),), {}, pad_size=pad)
+
+
+register_dispatch_mode("hf_test_pads_without_padding", _dispatch_pad_without_padding, _sum_outputs)
+
+
 def rows(n):
     """A batch whose column ``x`` holds the row indices ``0..n-1``."""
     return DataProto.from_dict({"x": torch.arange(n)})
@@ -65,6 +75,20 @@ class EchoWorker(Worker):
         return DataProto.from_dict(
             {"x": data.batch["x"], "rank": torch.full((n,), self.rank), "seen": torch.full((n,), n)}
         )
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def repeat_rows(self, data, n):
+        """n rows per input row, interleaved (as a rollout returns n samples per prompt), tagged with the rank."""
+        out = data.repeat(n, interleave=True)
+        return DataProto.from_dict({"x": out.batch["x"], "rank": torch.full((len(out),), self.rank)})
+
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def repeat_rows_async(self, data, n):
+        return data.repeat(n, interleave=True)
+
+    @register("hf_test_pads_without_padding")
+    def pads_without_padding(self, data):
+        return data
 
     @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
     def scale_rows(self, data):
@@ -127,6 +151,11 @@ class MeshWorker(Worker):
         n = len(data)
         return DataProto.from_dict({"x": data.batch["x"] + offset, "rank": torch.full((n,), self.rank)})
 
+    @register(Dispatch.MESH_COMPUTE_PROTO, mesh_name="train")
+    def forward_repeat(self, data, n):
+        out = data.repeat(n, interleave=True)
+        return DataProto.from_dict({"x": out.batch["x"], "rank": torch.full((len(out),), self.rank)})
+
     @register(Dispatch.ONE_TO_ALL)
     def last_received(self):
         return self.received
@@ -176,6 +205,23 @@ def test_dp_compute_proto_pads_then_unpads_non_divisible_batch(echo):
     # padded to 6 rows, so each rank saw 3 rows; rank 1 had rows 3, 4 (+ one padding row, removed)
     assert out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
     assert out.batch["seen"].tolist() == [3] * 5
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_dp_compute_proto_unpads_a_method_that_returns_n_rows_per_row(echo, batch):
+    """3 prompts x n=2 on 2 ranks: padded to 4 prompts, rank 1 gets [2, pad]; its 4 outputs lose the pad's 2."""
+    for n in (1, 2, 3):
+        out = echo.repeat_rows(rows(batch), n)
+        assert out.batch["x"].tolist() == [i for i in range(batch) for _ in range(n)], n
+        per_rank = -(-batch // 2)  # rank 0 gets the first ceil(batch / 2) rows
+        assert out.batch["rank"].tolist() == [0] * (per_rank * n) + [1] * ((batch - per_rank) * n), n
+        future = echo.repeat_rows_async(rows(batch), n)  # the future's collect unpads the same way
+        assert future.get().batch["x"].tolist() == [i for i in range(batch) for _ in range(n)], n
+
+
+def test_custom_mode_that_pads_must_say_where(echo):
+    with pytest.raises(DispatchError, match=r"padded the batch \(pad_size=1\) but gave no DispatchPlan.padding"):
+        echo.pads_without_padding(rows(3))
 
 
 # ---------------------------------------------------------------------- other modes
@@ -285,6 +331,10 @@ def test_mesh_dispatch_dp2_tp2(ray_session, monkeypatch):
         out = wg.forward(rows(5))  # padded to 6 for dp=2, unpadded back to 5
         assert out.batch["x"].tolist() == [0, 1, 2, 3, 4]
         assert out.batch["rank"].tolist() == [0, 0, 0, 2, 2]
+        # 3 rows x n=2 for dp=2: padded to 4; dp rank 1 (collected from rank 2) returns [2, 2, pad, pad]
+        out = wg.forward_repeat(rows(3), 2)
+        assert out.batch["x"].tolist() == [0, 0, 1, 1, 2, 2]
+        assert out.batch["rank"].tolist() == [0, 0, 0, 0, 2, 2]
     finally:
         if wg is not None:
             wg.shutdown()

@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import build_mesh, iter_full_state, parallelize_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
+from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import HFRollout
 from hybridflow.workers.ppo_actor import PPOActor
@@ -85,7 +86,7 @@ def _rollout(module) -> HFRollout:
 def _actor(module) -> PPOActor:
     cfg = OmegaConf.structured(ActorConfig)
     cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = 2, 1e9
-    return PPOActor(module, torch.optim.SGD(module.parameters(), lr=1.0), cfg, temperature=1.0)
+    return PPOActor(module, torch.optim.SGD(module.parameters(), lr=1.0), cfg, SamplingSpec())
 
 
 def _expected_shard(name: str, full: torch.Tensor, tp_g: int, tp_rank: int) -> torch.Tensor:

@@ -307,3 +307,32 @@ def test_invalid_inputs():
     with pytest.raises(KeyError, match="position_ids"):
         tensors = {key: batch.batch[key] for key in ("input_ids", "attention_mask")}
         rollout.generate_sequences(DataProto.from_dict(tensors=tensors))
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0.7, "top_k": 5},
+    {"temperature": 1.0, "top_p": 0.9},
+    {"temperature": 1.3, "top_k": 12, "top_p": 0.8},
+])
+def test_trainer_recomputes_the_rollout_logprobs_under_top_k_top_p(sampling):
+    """The PPO ratio pi_old / mu is 1 on every token that enters the loss: the actor's recomputed logprobs (one
+    full forward, PPOActor.compute_log_prob with the rollout's sampling spec) equal the sampling logprobs."""
+    from hybridflow.algorithms.sampling import SamplingSpec
+    from hybridflow.config.schema import ActorConfig
+    from hybridflow.workers.ppo_actor import PPOActor
+
+    model = tiny_model()
+    config = rollout_config(do_sample=True, response_length=12, n=2, **sampling)
+    out = HFRollout(model, config, eos_token_id=NO_EOS, pad_token_id=PAD).generate_sequences(
+        left_pad(PROMPTS, {"seed": 7})
+    )
+    spec = SamplingSpec.of(True, config.temperature, config.top_k, config.top_p)
+    actor = PPOActor(model, None, ActorConfig(), spec)
+    old_log_probs, entropy = actor.compute_log_prob(out, micro_batch_size=3, calculate_entropy=True)
+    mask = out.batch["response_mask"].bool()
+    ratio = torch.exp(old_log_probs - out.batch["rollout_log_probs"])[mask]
+    assert mask.sum() == len(PROMPTS) * 2 * 12 and (ratio - 1).abs().max() <= 1e-5
+    assert torch.isfinite(entropy).all()
+    # the truncation matters here: the untruncated tempered softmax gives a different distribution
+    full = full_forward_log_probs(model, out, config.temperature)
+    assert (full[mask] - out.batch["rollout_log_probs"][mask]).abs().max() > 1e-2

@@ -216,6 +216,41 @@ def test_top_k_logprobs_are_under_the_truncated_distribution(engine, hf_model):
     assert masked_max_diff(out.batch["rollout_log_probs"], expected, mask) <= 1e-4
 
 
+def test_truncation_rule_is_vllms():
+    """hybridflow's top-k / top-p rule (trainer and hf rollout) removes exactly what vLLM's sampler removes."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from hybridflow.algorithms.sampling import truncation_mask
+
+    generator = torch.Generator().manual_seed(0)
+    for top_k, top_p in ((5, None), (None, 0.9), (12, 0.8)):
+        logits = torch.randn(64, 100, generator=generator) * 3
+        k = None if top_k is None else torch.full((64,), top_k)
+        p = None if top_p is None else torch.full((64,), top_p)
+        removed_by_vllm = torch.isinf(apply_top_k_top_p_pytorch(logits.clone(), k, p))
+        assert torch.equal(truncation_mask(logits, top_k or -1, top_p or 1.0), removed_by_vllm), (top_k, top_p)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.9, "top_k": 5}, {"temperature": 1.0, "top_p": 0.9}])
+def test_trainer_recomputes_vllm_logprobs_under_top_k_top_p(engine, hf_model, sampling):
+    """pi_old / mu = 1 (within 1e-5, fp32) on the tokens that enter the loss: the actor (PPOActor, the rollout's
+    sampling spec) recomputes vLLM's processed logprobs (the engine's logits differ from transformers' only in
+    the last bits: about 4e-6 here, with or without truncation)."""
+    from hybridflow.algorithms.sampling import SamplingSpec
+    from hybridflow.config.schema import ActorConfig
+    from hybridflow.workers.ppo_actor import PPOActor
+
+    out = engine.generate_sequences(left_pad(PROMPTS, {"do_sample": True, "n": 2, "seed": 9, **sampling}))
+    spec = SamplingSpec.of(True, sampling["temperature"], sampling.get("top_k", -1), sampling.get("top_p", 1.0))
+    old_log_probs, _ = PPOActor(hf_model, None, ActorConfig(), spec).compute_log_prob(out, micro_batch_size=4)
+    mask = out.batch["response_mask"].bool()
+    ratio = torch.exp(old_log_probs - out.batch["rollout_log_probs"])[mask]
+    assert (ratio - 1).abs().max() <= 1e-5
+    # the untruncated tempered softmax (what the trainer computed before) is measurably different
+    untruncated = token_log_probs(full_forward_logits(hf_model, out) / sampling["temperature"], out.batch["responses"])
+    assert masked_max_diff(untruncated, out.batch["rollout_log_probs"], mask) > 1e-2
+
+
 def ppo_update(model: torch.nn.Module, out: DataProto, lr: float) -> None:
     """One PPO step (clipped surrogate, Adam) on ``out``'s responses with advantage +1 for rows that start with
     an even token and -1 otherwise: large enough to change greedy decoding of this tiny model."""

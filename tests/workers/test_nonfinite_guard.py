@@ -6,6 +6,7 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridflow.config.schema import ActorConfig
+from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.workers.ppo_actor import PPOActor
 
@@ -16,7 +17,7 @@ def _actor(policy):
                                          num_attention_heads=2, num_key_value_heads=1))
     cfg = OmegaConf.structured(ActorConfig)
     cfg.ppo_micro_batch_size_per_gpu = 2
-    return PPOActor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, 1.0, nonfinite_grad=policy)
+    return PPOActor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, SamplingSpec(), nonfinite_grad=policy)
 
 
 def _batch():

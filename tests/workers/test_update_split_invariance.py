@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
+from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.workers.ppo_actor import PPOActor
 
@@ -60,7 +61,7 @@ def _delta(actor: PPOActor, data: DataProto, mini: int) -> dict[str, torch.Tenso
 
 def _reference(mode: str) -> dict[str, torch.Tensor]:
     model = _model()
-    actor = PPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), _config(mode, B), temperature=1.0)
+    actor = PPOActor(model, torch.optim.SGD(model.parameters(), lr=1.0), _config(mode, B), SamplingSpec())
     return _delta(actor, _batch(), B)
 
 
@@ -77,7 +78,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for micro in MICROS:
             model = apply_fsdp2(_model(), mesh)
             optim = torch.optim.SGD(model.parameters(), lr=1.0)
-            actor = PPOActor(model, optim, _config(mode, micro), temperature=1.0)
+            actor = PPOActor(model, optim, _config(mode, micro), SamplingSpec())
             deltas[mode, micro] = _delta(actor, _batch().chunk(2)[rank], B // 2)
     if rank == 0:
         torch.save(deltas, out)
@@ -102,7 +103,7 @@ def dp_deltas(tmp_path_factory):
 def test_gradient_independent_of_micro_and_dp_split(mode, dp_deltas):
     ref = _reference(mode)
     single_micro = _model()
-    actor = PPOActor(single_micro, torch.optim.SGD(single_micro.parameters(), lr=1.0), _config(mode, 3), 1.0)
+    actor = PPOActor(single_micro, torch.optim.SGD(single_micro.parameters(), lr=1.0), _config(mode, 3), SamplingSpec())
     micro_split = _delta(actor, _batch(), B)  # micro-batches of 3, 3, 2 in one process
     for name in ref:
         torch.testing.assert_close(micro_split[name], ref[name], atol=1e-6, rtol=0)
