@@ -234,7 +234,7 @@ class WandbBackend:
     """
 
     def __init__(self, project_name: str, experiment_name: str, local_dir: Path, config: Any):
-        wandb = _import_backend("wandb")
+        self._wandb = wandb = _import_backend("wandb")
         local_dir.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(project=project_name, name=experiment_name, config=config_dict(config),
                               dir=str(local_dir), reinit="create_new")
@@ -243,7 +243,10 @@ class WandbBackend:
         self.run.log(dict(metrics), step=step)
 
     def finish(self) -> None:
+        """End the run and stop wandb's service process: only then is an offline run's journal complete on disk
+        (``run.finish()`` alone returns before it is flushed)."""
         self.run.finish()
+        self._wandb.teardown()
 
 
 _MLFLOW_BAD_CHARS = re.compile(r"[^\w\-. /:]")
