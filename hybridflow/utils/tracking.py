@@ -14,8 +14,11 @@ Backends (``trainer.logger``):
 - ``wandb``: a Weights & Biases run (``project``/``name`` from the trainer's names, files under
   ``<default_local_dir>/wandb``); ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
 - ``mlflow``: an MLflow run in the experiment ``project_name`` of the tracking server or store named by
-  ``MLFLOW_TRACKING_URI`` (e.g. ``file:///path/mlruns``, ``sqlite:///mlflow.db``); metric names keep their
-  slashes, characters MLflow refuses (``@`` of ``val/mean@4``) become ``_at_`` / ``_``.
+  ``MLFLOW_TRACKING_URI`` (e.g. ``sqlite:///mlflow.db``, ``http://host:5000``, ``file:///path/mlruns``);
+  characters MLflow refuses (``@`` of ``val/mean@4``) become ``_at_`` / ``_``. Metric names keep their slashes,
+  except in a file store (``file:`` URIs, plain paths, MLflow 2's default ``./mlruns``), which keeps each metric
+  in a file at that path and so cannot hold ``val/score`` next to ``val/score/<source>``: there ``/`` becomes
+  ``.``.
 - ``swanlab``: a SwanLab run; ``SWANLAB_MODE=offline`` (or ``local``) writes it under
   ``<default_local_dir>/swanlog``.
 
@@ -35,6 +38,7 @@ import math
 import re
 import sys
 import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -253,9 +257,11 @@ _MLFLOW_BAD_CHARS = re.compile(r"[^\w\-. /:]")
 MLFLOW_MAX_PARAM_LENGTH = 6000  # MLflow refuses longer parameter values; longer ones are cut there
 
 
-def mlflow_metric_name(name: str) -> str:
-    """``name`` with the characters MLflow refuses replaced: ``@`` -> ``_at_``, others -> ``_``."""
-    return _MLFLOW_BAD_CHARS.sub("_", name.replace("@", "_at_"))
+def mlflow_metric_name(name: str, file_store: bool = False) -> str:
+    """``name`` with the characters MLflow refuses replaced (``@`` -> ``_at_``, others -> ``_``), and for a
+    file store (metric name = file path) ``/`` -> ``.``, so no metric's file is another's directory."""
+    name = _MLFLOW_BAD_CHARS.sub("_", name.replace("@", "_at_"))
+    return name.replace("/", ".") if file_store else name
 
 
 class MlflowBackend:
@@ -271,6 +277,7 @@ class MlflowBackend:
         from mlflow.entities import Param
 
         self._client = mlflow.tracking.MlflowClient()
+        self._file_store = urllib.parse.urlparse(self._client.tracking_uri).scheme in ("", "file")
         experiment = self._client.get_experiment_by_name(project_name)
         experiment_id = (experiment.experiment_id if experiment is not None
                          else self._client.create_experiment(project_name))
@@ -283,7 +290,8 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        batch = [Metric(mlflow_metric_name(name), value, now, step) for name, value in metrics.items()]
+        batch = [Metric(mlflow_metric_name(name, self._file_store), value, now, step)
+                 for name, value in metrics.items()]
         for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
             self._client.log_batch(self._run_id, metrics=batch[start:start + 1000])
 

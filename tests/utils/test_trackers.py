@@ -27,7 +27,9 @@ CONFIG = OmegaConf.create({"trainer": {"project_name": "proj", "seed": 3, "dir":
 # the hyper-parameters a flat tracker must get: dotted keys, the interpolation resolved, lists as their str
 FLAT_CONFIG = {"trainer.project_name": "proj", "trainer.seed": 3, "trainer.dir": "out/proj",
                "data.sizes": "[1, 2]", "data.lr": 0.5}
-STEPS = {1: {"critic/score/mean": 0.1, "rollout/kl": 0.003, "val/mean@2": 0.7},
+# val/score next to val/score/arith: a name that is another's prefix (MLflow's file store keeps names as paths)
+STEPS = {1: {"critic/score/mean": 0.1, "rollout/kl": 0.003, "val/mean@2": 0.7, "val/score": 0.5,
+             "val/score/arith": 0.25},
          2: {"critic/score/mean": 0.30000000000000004, "rollout/kl": -1e-5, "timing_s/step": 2.5}}
 
 
@@ -153,9 +155,9 @@ def test_wandb_offline_run_holds_the_jsonl_scalars_and_the_config(tmp_path, offl
 def test_mlflow_file_store_holds_the_jsonl_scalars_and_the_config(tmp_path, offline_trackers):
     pytest.importorskip("mlflow")
     run_dir = _log_two_steps(tmp_path, "mlflow")
-    # MLflow refuses '@' in metric names: it becomes '_at_'
-    names = {"critic/score/mean": "critic/score/mean", "rollout/kl": "rollout/kl", "val/mean@2": "val/mean_at_2",
-             "timing_s/step": "timing_s/step"}
+    # MLflow refuses '@' in metric names: it becomes '_at_'; a file store gets '.' for '/'
+    names = {"critic/score/mean": "critic.score.mean", "rollout/kl": "rollout.kl", "val/mean@2": "val.mean_at_2",
+             "val/score": "val.score", "val/score/arith": "val.score.arith", "timing_s/step": "timing_s.step"}
     scalars, params = _mlflow_scalars_and_params(offline_trackers, "proj", names)
     _assert_same(scalars, _jsonl_scalars(run_dir))
     assert params == {key: str(value) for key, value in FLAT_CONFIG.items()}  # MLflow keeps params as strings
@@ -224,7 +226,7 @@ def test_train_two_steps_every_tracker_reads_back_metrics_jsonl(tmp_path, offlin
     scalars, config = _wandb_scalars_and_config(run_dir)
     _assert_same(scalars, expected)
     assert config == resolved
-    names = {name: name.replace("@", "_at_") for _, name in expected}
+    names = {name: name.replace("@", "_at_").replace("/", ".") for _, name in expected}  # file store names
     scalars, params = _mlflow_scalars_and_params(offline_trackers, "hybridflow", names)
     _assert_same(scalars, expected)
     assert params["trainer.default_local_dir"] == str(run_dir) and params["data.train_batch_size"] == "8"
@@ -235,3 +237,11 @@ def test_train_two_steps_every_tracker_reads_back_metrics_jsonl(tmp_path, offlin
     _assert_same(scalars, expected)
     assert config["trainer"]["default_local_dir"] == str(run_dir)
     assert (run_dir / "curves.png").is_file()
+
+
+def test_mlflow_metric_names():
+    from hybridflow.utils.tracking import mlflow_metric_name
+
+    assert mlflow_metric_name("val/mean@4/hybridflow/arith") == "val/mean_at_4/hybridflow/arith"  # servers, databases
+    assert mlflow_metric_name("val/mean@4/x", file_store=True) == "val.mean_at_4.x"
+    assert mlflow_metric_name("a b:c-d.e/(f)#1") == "a b:c-d.e/_f__1"  # MLflow: [\w\-. :/] only
