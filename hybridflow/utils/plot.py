@@ -4,7 +4,7 @@ Reads each run's ``metrics.jsonl`` (one JSON object per :meth:`~hybridflow.utils
 ``{"step": N, "<metric>": float, ...}``) and draws one panel per entry of ``PANELS`` whose metrics any run has
 (score/reward with the validation points, KL, entropy, response length, step time, throughput, Safe-RLHF cost
 and lambda, async staleness), or one panel per metric named with ``metrics``. Several runs go into the same
-panels, one colour per run, with a legend naming them.
+panels, one colour per run (line style per metric), with a legend naming them; one run gets a colour per metric.
 
 matplotlib draws through its Agg canvas on a :class:`~matplotlib.figure.Figure` (no pyplot, no display, no
 global figure state), so this works on headless machines and inside a running trainer.
@@ -147,15 +147,17 @@ def _draw(panels: Sequence[Panel], runs: dict[str, Series]) -> Figure:
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(5.0 * ncols, 3.4 * nrows), layout="constrained")
-    colours = [f"C{i % 10}" for i in range(len(runs))]
+    multi_run = len(runs) > 1
     for index, panel in enumerate(panels):
         ax = fig.add_subplot(nrows, ncols, index + 1)
-        for colour, (run, series) in zip(colours, runs.items()):
-            for style, metric in zip(("-", "--", ":", "-."), panel.metrics):
+        for run_index, (run, series) in enumerate(runs.items()):
+            for metric_index, (style, metric) in enumerate(zip(("-", "--", ":", "-."), panel.metrics)):
                 if metric not in series:
                     continue
+                # one run: a colour per metric; several: a colour per run, a line style per metric
+                colour = f"C{(run_index if multi_run else metric_index) % 10}"
                 steps, values = zip(*series[metric])
-                label = _series_label(run, metric, multi_run=len(runs) > 1, multi_metric=len(panel.metrics) > 1)
+                label = _series_label(run, metric, multi_run=multi_run, multi_metric=len(panel.metrics) > 1)
                 if metric.startswith(VAL_PREFIX):  # validation: a few points, at the steps it ran
                     ax.plot(steps, values, "o" + style, color=colour, label=label, markersize=5, linewidth=1)
                 else:

@@ -45,6 +45,7 @@ def test_standard_panels_of_a_ppo_run(tmp_path):
     assert list(lines["critic/score/mean"].get_ydata()) == pytest.approx([0.2, 0.4, 0.6])
     assert list(lines["val/score"].get_xdata()) == [0, 2]  # the validation points at the steps they ran
     assert lines["val/score"].get_marker() == "o"
+    assert len({line.get_color() for line in lines.values()}) == 3  # one run: a colour per metric
 
 
 def test_one_axis_per_requested_metric(tmp_path):
