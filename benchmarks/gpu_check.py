@@ -261,7 +261,7 @@ def _reshard_rank(rank: int, world: int, port: int, args: SimpleNamespace, out_p
     dist.all_reduce(match, op=dist.ReduceOp.MIN)
     if rank == 0:
         Path(out_path).write_text(json.dumps({
-            "world_size": world, "backend": dist.get_backend(), "tp_g": args.tp_g, "params": engine.plan.model_bytes() // 2,
+            "world_size": world, "backend": dist.get_backend(), "tp_g": args.tp_g,
             "model_bytes": engine.plan.model_bytes(), "gen_shard_bytes_max": gen_bytes,
             "engine_s": round(engine_s, 5), "naive_s": round(naive_s, 5), "all_gather_s": round(gather_s, 5),
             "engine_over_all_gather": round(engine_s / gather_s, 3), "shards_match": bool(match.item()),

@@ -216,7 +216,8 @@ def test_train_two_steps_every_tracker_reads_back_metrics_jsonl(tmp_path, offlin
     run_dir = tmp_path / "run"
     assert main(["train", "quickstart", "trainer.total_training_steps=2", "trainer.test_freq=2",
                  f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8", "data.builtin_val_size=8",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
                  "trainer.logger=[console,jsonl,tensorboard,wandb,mlflow,swanlab]"]) == 0
     expected = _jsonl_scalars(run_dir)
