@@ -203,7 +203,7 @@ def flatten_config(config: Any) -> dict[str, str | int | float | bool]:
         if isinstance(node, Mapping) and node:
             for key, value in node.items():
                 walk(value, f"{prefix}{key}.")
-        else:
+        elif prefix:  # an empty config has no parameters
             flat[prefix[:-1]] = node if isinstance(node, (str, int, float, bool)) else str(node)
 
     walk(config_dict(config), "")

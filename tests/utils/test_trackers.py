@@ -240,6 +240,14 @@ def test_train_two_steps_every_tracker_reads_back_metrics_jsonl(tmp_path, offlin
     assert (run_dir / "curves.png").is_file()
 
 
+def test_flattened_config():
+    from hybridflow.utils.tracking import flatten_config
+
+    assert flatten_config(CONFIG) == FLAT_CONFIG
+    assert flatten_config(None) == {} and flatten_config({}) == {}
+    assert flatten_config({"a": {}, "b": None}) == {"a": "{}", "b": "None"}
+
+
 def test_mlflow_metric_names():
     from hybridflow.utils.tracking import mlflow_metric_name
 
