@@ -136,6 +136,30 @@ def _run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plot_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", metavar="RUN_DIR", nargs="+",
+                        help="run directories (trainer.default_local_dir) with a metrics.jsonl; several are overlaid")
+    parser.add_argument("--metrics", metavar="METRIC", nargs="+", default=None,
+                        help="one panel per metric, e.g. critic/score/mean val/score (default: the standard panels)")
+    parser.add_argument("--out", metavar="FILE.png", default=None,
+                        help="where to write the PNG (default: RUN_DIR/curves.png for one run, curves.png for several)")
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    import os
+
+    from hybridflow.utils.plot import CURVES_FILE, plot_runs  # matplotlib loads only from here on
+
+    out = args.out or (os.path.join(args.runs[0], CURVES_FILE) if len(args.runs) == 1 else CURVES_FILE)
+    try:
+        plot_runs(args.runs, metrics=args.metrics, out=out)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
     "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
@@ -145,6 +169,8 @@ COMMANDS: dict[str, Command] = {
     "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
     "export": Command("write a checkpoint's actor as a Hugging Face model directory", _add_export_arguments,
                       _run_export),
+    "plot": Command("draw training curves of one or more runs (metrics.jsonl) into a PNG", _add_plot_arguments,
+                    _run_plot),
 }
 
 

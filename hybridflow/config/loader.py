@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.utils.tracking import BACKEND_PACKAGES as LOGGER_PACKAGES
 from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
@@ -496,9 +497,9 @@ def _logger_problems(loggers: Sequence[str]) -> list[str]:
     for name in loggers:
         if name not in LOGGER_BACKENDS:
             problems += _choice_problems("trainer.logger", name, LOGGER_BACKENDS)
-        elif name == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-            problems.append("trainer.logger: the tensorboard backend needs the tensorboard package "
-                            "(pip install tensorboard)")
+        elif name in LOGGER_PACKAGES and importlib.util.find_spec(LOGGER_PACKAGES[name]) is None:
+            problems.append(f"trainer.logger: the {name} backend needs the {LOGGER_PACKAGES[name]} package "
+                            f'(pip install -e ".[{name}]" or pip install {LOGGER_PACKAGES[name]})')
     return problems
 
 

@@ -219,7 +219,9 @@ class TrainerConfig:
     test_freq: int = 10  # validate every N steps; -1 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    # console | jsonl | tensorboard | wandb | mlflow | swanlab (the last four need pip install -e ".[NAME]")
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    plot_curves: bool = True  # at the end, draw metrics.jsonl's standard panels into <default_local_dir>/curves.png
     seed: int = 1  # model init / sampling seed
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 

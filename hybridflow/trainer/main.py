@@ -13,6 +13,7 @@ from hybridflow.trainer.remax import ReMaxTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
 from hybridflow.trainer.scoring import build_cost, build_reward
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
+from hybridflow.utils.plot import write_run_curves
 from hybridflow.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
@@ -64,4 +65,6 @@ def _train(config, groups, train_batches, val_data, total) -> dict:
     finally:
         tracker.finish()
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
+    if config.trainer.plot_curves:
+        write_run_curves(config.trainer.default_local_dir)
     return result

@@ -9,7 +9,22 @@ Backends (``trainer.logger``):
   ``<default_local_dir>/metrics.jsonl``, flushed on every call, and saves the run's config once to
   ``<default_local_dir>/config.yaml``. Non-finite values are written as ``NaN`` / ``Infinity`` (which Python's
   ``json`` reads back).
-- ``tensorboard``: scalars under ``<default_local_dir>/tensorboard`` (needs the ``tensorboard`` package).
+- ``tensorboard``: scalars under ``<default_local_dir>/tensorboard`` (needs the ``tensorboard`` package), and the
+  resolved config as the hparams plugin's hyper-parameters.
+- ``wandb``: a Weights & Biases run (``project``/``name`` from the trainer's names, files under
+  ``<default_local_dir>/wandb``); ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it later).
+- ``mlflow``: an MLflow run in the experiment ``project_name`` of the tracking server or store named by
+  ``MLFLOW_TRACKING_URI`` (e.g. ``sqlite:///mlflow.db``, ``http://host:5000``, ``file:///path/mlruns``);
+  characters MLflow refuses (``@`` of ``val/mean@4``) become ``_at_`` / ``_``. Metric names keep their slashes,
+  except in a file store (``file:`` URIs, plain paths, MLflow 2's default ``./mlruns``), which keeps each metric
+  in a file at that path and so cannot hold ``val/score`` next to ``val/score/<source>``: there ``/`` becomes
+  ``.``.
+- ``swanlab``: a SwanLab run; ``SWANLAB_MODE=offline`` (or ``local``) writes it under
+  ``<default_local_dir>/swanlog``.
+
+The last three (``REMOTE_BACKENDS``) get the resolved config as the run's hyper-parameters (nested for wandb and
+swanlab, dotted keys for mlflow) and are optional extras: ``pip install -e ".[wandb]"`` (``mlflow``, ``swanlab``,
+``tensorboard`` alike).
 
 The console line reads the metric names defined by the ``METRIC_*`` constants below, plus every key starting
 with ``VAL_PREFIX``; producers of metrics should use these names.
@@ -20,14 +35,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
+import time
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("console", "jsonl", "tensorboard")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
+# backend -> the module it imports (the loader checks it is installed before Ray starts); its extra has its name
+BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 
 METRIC_REWARD = "critic/rewards/mean"  # mean sequence reward after the KL penalty (when use_kl_in_reward)
 METRIC_SCORE = "critic/score/mean"  # mean reward-function score; shown as reward when METRIC_REWARD is absent
@@ -51,7 +71,8 @@ class Tracking:
 
     Raises:
         ValueError: an unknown backend name (the message lists the known ones).
-        ImportError: ``tensorboard`` requested but the tensorboard package is not installed.
+        ImportError: ``tensorboard``, ``wandb``, ``mlflow`` or ``swanlab`` requested but its package is not
+            installed.
     """
 
     def __init__(self, project_name: str, experiment_name: str, default_local_dir: str | Path,
@@ -77,6 +98,14 @@ class Tracking:
                 raise ImportError("the tensorboard tracking backend needs the tensorboard package "
                                   "(pip install tensorboard)") from exc
             self._tensorboard = SummaryWriter(log_dir=str(self.local_dir / "tensorboard"))
+            _log_tensorboard_hparams(self._tensorboard, config)
+        self._remote: list[Any] = []  # started REMOTE_BACKENDS objects
+        try:
+            for name in (b for b in self.backends if b in REMOTE_BACKENDS):
+                self._remote.append(REMOTE_BACKENDS[name](project_name, experiment_name, self.local_dir, config))
+        except BaseException:  # a tracker that fails to start: end the ones already started, close the files
+            self.finish()
+            raise
         logger.info("tracking %s/%s with %s in %s", project_name, experiment_name, ", ".join(self.backends),
                     self.local_dir)
 
@@ -103,9 +132,15 @@ class Tracking:
             for name, value in metrics.items():
                 self._tensorboard.add_scalar(name, value, step)
             self._tensorboard.flush()
+        for backend in self._remote:
+            backend.log(metrics, step)
 
     def finish(self) -> None:
-        """Close the file backends; later ``log`` calls only reach the console. Safe to call twice."""
+        """Close the file backends and end the tracker runs; later ``log`` calls only reach the console. Safe to
+        call twice."""
+        for backend in self._remote:
+            backend.finish()
+        self._remote = []
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
@@ -146,3 +181,144 @@ def _to_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, int, float)):
         return float(value)
     raise TypeError(f"metric {name!r} must be a number, got {type(value).__name__}: {value!r}")
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    """The run's config as a plain nested dict with interpolations resolved ({} for None)."""
+    if config is None:
+        return {}
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.is_config(config):
+        config = OmegaConf.structured(config) if not isinstance(config, Mapping) else OmegaConf.create(config)
+    return OmegaConf.to_container(config, resolve=True)
+
+
+def flatten_config(config: Any) -> dict[str, str | int | float | bool]:
+    """The resolved config as dotted keys -> scalars (``{"trainer.seed": 1, ...}``) for trackers whose
+    hyper-parameters are flat; lists and None become their ``str``."""
+    flat: dict[str, str | int | float | bool] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        elif prefix:  # an empty config has no parameters
+            flat[prefix[:-1]] = node if isinstance(node, (str, int, float, bool)) else str(node)
+
+    walk(config_dict(config), "")
+    return flat
+
+
+def _log_tensorboard_hparams(writer: Any, config: Any) -> None:
+    """The resolved config in the hparams plugin of the writer's own event file (not a sub-run)."""
+    if config is None:
+        return
+    from torch.utils.tensorboard.summary import hparams
+
+    for summary in hparams(flatten_config(config), {}):
+        writer.file_writer.add_summary(summary)
+
+
+def _import_backend(name: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(BACKEND_PACKAGES[name])
+    except ImportError as exc:
+        raise ImportError(f"the {name} tracking backend needs the {name} package "
+                          f'(pip install -e ".[{name}]" or pip install {name})') from exc
+
+
+class WandbBackend:
+    """A wandb run: ``wandb.init(project, name, config, dir=<run dir>)``; one ``run.log(metrics, step)`` per step.
+
+    Raises:
+        ImportError: wandb is not installed.
+    """
+
+    def __init__(self, project_name: str, experiment_name: str, local_dir: Path, config: Any):
+        self._wandb = wandb = _import_backend("wandb")
+        local_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(project=project_name, name=experiment_name, config=config_dict(config),
+                              dir=str(local_dir), reinit="create_new")
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def finish(self) -> None:
+        """End the run and stop wandb's service process: only then is an offline run's journal complete on disk
+        (``run.finish()`` alone returns before it is flushed)."""
+        self.run.finish()
+        self._wandb.teardown()
+
+
+_MLFLOW_BAD_CHARS = re.compile(r"[^\w\-. /:]")
+MLFLOW_MAX_PARAM_LENGTH = 6000  # MLflow refuses longer parameter values; longer ones are cut there
+
+
+def mlflow_metric_name(name: str, file_store: bool = False) -> str:
+    """``name`` with the characters MLflow refuses replaced (``@`` -> ``_at_``, others -> ``_``), and for a
+    file store (metric name = file path) ``/`` -> ``.``, so no metric's file is another's directory."""
+    name = _MLFLOW_BAD_CHARS.sub("_", name.replace("@", "_at_"))
+    return name.replace("/", ".") if file_store else name
+
+
+class MlflowBackend:
+    """An MLflow run in experiment ``project_name`` (created when missing), named ``experiment_name``, at
+    ``MLFLOW_TRACKING_URI``; parameters are the flattened config, metrics go in one ``log_batch`` per step.
+
+    Raises:
+        ImportError: mlflow is not installed.
+    """
+
+    def __init__(self, project_name: str, experiment_name: str, local_dir: Path, config: Any):
+        mlflow = _import_backend("mlflow")
+        from mlflow.entities import Param
+
+        self._client = mlflow.tracking.MlflowClient()
+        self._file_store = urllib.parse.urlparse(self._client.tracking_uri).scheme in ("", "file")
+        experiment = self._client.get_experiment_by_name(project_name)
+        experiment_id = (experiment.experiment_id if experiment is not None
+                         else self._client.create_experiment(project_name))
+        self._run_id = self._client.create_run(experiment_id, run_name=experiment_name).info.run_id
+        params = [Param(key, str(value)[:MLFLOW_MAX_PARAM_LENGTH]) for key, value in flatten_config(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+            self._client.log_batch(self._run_id, params=params[start:start + 100])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(mlflow_metric_name(name, self._file_store), value, now, step)
+                 for name, value in metrics.items()]
+        for start in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics per batch
+            self._client.log_batch(self._run_id, metrics=batch[start:start + 1000])
+
+    def finish(self) -> None:
+        self._client.set_terminated(self._run_id)
+
+
+class SwanlabBackend:
+    """A SwanLab run: ``swanlab.init(project, experiment_name, config, logdir=<run dir>/swanlog)``.
+
+    Raises:
+        ImportError: swanlab is not installed.
+    """
+
+    def __init__(self, project_name: str, experiment_name: str, local_dir: Path, config: Any):
+        swanlab = _import_backend("swanlab")
+        log_dir = local_dir / "swanlog"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.run = swanlab.init(project=project_name, name=experiment_name, config=config_dict(config),
+                                log_dir=str(log_dir), reinit=True)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        self.run.log(dict(metrics), step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+# tracker backends that are a class with log(metrics, step) / finish(), built as cls(project, experiment, dir, cfg)
+REMOTE_BACKENDS = {"wandb": WandbBackend, "mlflow": MlflowBackend, "swanlab": SwanlabBackend}

@@ -225,8 +225,9 @@ def test_choices(key, value):
 
 
 def test_unknown_logger_backend():
-    (problem,) = _problems("trainer.logger=[console,wandb]")
-    assert problem == "trainer.logger: 'wandb' is not one of console, jsonl, tensorboard"
+    (problem,) = _problems("trainer.logger=[console,wandbb]")
+    assert problem == ("trainer.logger: 'wandbb' is not one of console, jsonl, tensorboard, wandb, mlflow, swanlab; "
+                       "did you mean wandb?")
 
 
 def test_registry_names_are_looked_up():

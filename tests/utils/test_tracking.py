@@ -61,9 +61,9 @@ def test_console_line_falls_back_to_score_and_omits_absent_fields():
 
 
 def test_unknown_backend_lists_known_ones(tmp_path):
-    known = "known: console, jsonl, tensorboard"
-    with pytest.raises(ValueError, match=rf"unknown tracking backend\(s\) \['wandb'\]; {known}"):
-        Tracking("p", "e", tmp_path, backends=("console", "wandb"))
+    known = "known: console, jsonl, tensorboard, wandb, mlflow, swanlab"
+    with pytest.raises(ValueError, match=rf"unknown tracking backend\(s\) \['wandbb'\]; {known}"):
+        Tracking("p", "e", tmp_path, backends=("console", "wandbb"))
 
 
 @pytest.mark.parametrize("value,message", [
@@ -84,5 +84,5 @@ def test_step_is_a_reserved_metric_name(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard installed")
 def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
-    with pytest.raises(ImportError, match="pip install tensorboard"):
+    with pytest.raises(ImportError, match="pip install tensorboard"):  # torch's SummaryWriter needs it
         Tracking("p", "e", tmp_path, backends=("tensorboard",))
