@@ -200,6 +200,7 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
         for name, nodes in pools_spec.items():
             if sharing[name]:
                 pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
+        start = time.monotonic()
         logger.info("starting worker groups: %s", ", ".join(
             f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))
         created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
@@ -207,16 +208,17 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
         pending = {role: group.execute_all_async("init_model",
                                                      *([total_steps] if role in _TAKE_TOTAL_STEPS else []))
                    for role, group in groups.items()}
-        _wait_until_up(groups, pending)
+        _wait_until_up(groups, pending, start)
         yield groups
     finally:
         for pool in pools.values():
             pool.remove()
 
 
-def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list]) -> None:
+def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list], start: float) -> None:
     """Wait for every group's ``init_model`` refs (``pending``: role -> refs, one per rank), reporting each group
-    as it comes up (a progress bar on a terminal, a log line each).
+    as it comes up (a progress bar on a terminal, a log line each, with the seconds since ``start``, a
+    ``time.monotonic()`` taken before the groups were spawned).
 
     Raises:
         WorkerError: a rank's ``init_model`` raised or its actor died (names the role and rank), as soon as it
@@ -224,7 +226,6 @@ def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list]) 
     """
     import ray
 
-    start = time.monotonic()
     left = {role: set(refs) for role, refs in pending.items()}
     up: list[str] = []
     with Progress("worker groups up", len(pending), "groups", leave=False) as progress:
@@ -238,6 +239,6 @@ def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list]) 
             # WorkerError names the role and rank of a failed init
             get_outputs(pending[role], range(len(pending[role])), groups[role].name, "init_model")
             up.append(role)
-            logger.info("worker group %s up: %d ranks, %.1f s after start", role, len(pending[role]),
+            logger.info("worker group %s up: %d ranks, %.1f s after spawning", role, len(pending[role]),
                         time.monotonic() - start)
             progress.update(1, postfix={"up": ", ".join(up)})

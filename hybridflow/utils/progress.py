@@ -112,7 +112,7 @@ class Progress:
         if done > 0 and self.total > self.n:
             eta = tqdm.format_interval(elapsed / done * (self.total - self.n))
         else:
-            eta = "0:00" if self.n >= self.total else "?"
+            eta = tqdm.format_interval(0) if self.n >= self.total else "?"
         pct = 100.0 * self.n / self.total if self.total else 100.0
         text = (f"{self.desc}: {self.n}/{self.total} {self.unit} ({pct:.0f}%), "
                 f"{tqdm.format_interval(elapsed)} elapsed, ETA {eta}")
