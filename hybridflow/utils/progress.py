@@ -36,10 +36,7 @@ def on_terminal(stream: Optional[TextIO] = None) -> bool:
 def write_line(text: str, file: Optional[TextIO] = None) -> None:
     """Print ``text`` and a newline to ``file`` (default: the current ``sys.stdout``) above any open bar."""
     file = sys.stdout if file is None else file
-    if tqdm._instances:  # a bar is drawn: tqdm clears it, writes the line and redraws it
-        tqdm.write(text, file=file)
-    else:
-        file.write(text + "\n")
+    tqdm.write(text, file=file)  # with a bar open, tqdm clears it, writes the line and redraws it
     file.flush()
 
 
