@@ -2,7 +2,10 @@
 
 Subcommands live in ``COMMANDS`` (name -> help, argument setup, handler); a handler takes the parsed arguments
 and returns the exit status. A config problem prints the ``ConfigError`` message to stderr and exits with 2,
-before anything heavy (Ray, models) starts.
+before anything heavy (Ray, models) starts. ``train``: bad data (a :class:`~hybridflow.errors.UserError`: a missing
+column, an empty file, an over-long prompt, an unknown ``data_source``) or a bad path prints ``error: <message>``
+and exits with 1, before Ray starts; Ctrl-C prints one line (last complete step, latest checkpoint, the command
+that resumes) and exits with 130. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -17,9 +21,14 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 
 from hybridflow.config import ConfigError, available_recipes, load_config
+from hybridflow.errors import TrainingInterrupted, UserError
 from hybridflow.mapping import plan_cli
+from hybridflow.utils.progress import terminal_logging
 
 EXIT_CONFIG_ERROR = 2  # same status as argparse's usage errors
+EXIT_USER_ERROR = 1  # bad data or paths, reported in one line
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), the shell's convention
+USER_ERRORS = (UserError, FileNotFoundError, NotADirectoryError, FileExistsError)
 
 
 class Command(NamedTuple):
@@ -51,12 +60,30 @@ def _run_train(args: argparse.Namespace) -> int:
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
     try:
-        run_ppo(cfg)
-    except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # bad paths: no traceback needed
+        with terminal_logging():
+            run_ppo(cfg)
+    except USER_ERRORS as exc:  # bad data or paths: one line, no traceback; programming errors keep theirs
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USER_ERROR
+    except TrainingInterrupted as exc:
+        print(_interrupted_line(exc, args), file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
+
+
+def _interrupted_line(exc: TrainingInterrupted, args: argparse.Namespace) -> str:
+    """One line for Ctrl-C: the last complete step, the latest complete checkpoint and the command that resumes
+    from it (the same command line; ``trainer.resume_mode=auto``, the default, picks the latest checkpoint)."""
+    overrides = [o for o in args.overrides if not o.startswith("trainer.resume_mode=")]
+    if any(o.startswith("trainer.resume_mode=") and o != "trainer.resume_mode=auto" for o in args.overrides):
+        overrides.append("trainer.resume_mode=auto")
+    command = shlex.join(["hybridflow", "train", args.recipe, *overrides])
+    if exc.checkpoint is None:
+        return (f"interrupted after step {exc.step}/{exc.total}; no complete checkpoint (trainer.save_freq "
+                f"sets how often one is saved); start again with: {command}")
+    return (f"interrupted after step {exc.step}/{exc.total}; latest complete checkpoint: {exc.checkpoint}; "
+            f"resume with: {command}")
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +111,8 @@ def _run_data(args: argparse.Namespace) -> int:
 
 
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridflow.rollout import registered_rollouts  # the registry alone: vLLM is not imported
+
     parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory (or builtin:NAME)")
     parser.add_argument("data", metavar="DATA.parquet", nargs="+", help="prompts in verl's parquet schema")
     parser.add_argument("--n", type=int, default=1, help="responses per prompt; > 1 adds a sampled mean@n")
@@ -98,6 +127,8 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled pass")
+    parser.add_argument("--rollout", choices=registered_rollouts(), default="hf",
+                        help="rollout backend, as actor_rollout_ref.rollout.name in training (vllm needs vLLM)")
     parser.add_argument("--output", metavar="FILE.jsonl", default=None, help="write every response and its score")
 
 
@@ -111,7 +142,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             batch_size=args.batch_size, max_prompt_length=args.max_prompt_length, truncation=args.truncation,
             max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
-            output=args.output,
+            output=args.output, rollout=args.rollout,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

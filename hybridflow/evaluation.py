@@ -2,8 +2,12 @@
 
 The pieces are the training run's own: the tokenizer and model from :mod:`hybridflow.models.hf` (same pad and eos
 rules), prompts through :class:`~hybridflow.data.dataset.RLHFDataset` and ``collate_fn`` (same chat-template
-rule), generation by :class:`~hybridflow.rollout.HFRollout` and scores by
-:func:`hybridflow.rewards.batch.score_batch` (the rule rewards, by ``data_source``). No Ray.
+rule, the whole set collated once as validation does), the rollout backend looked up by name in the rollout
+registry and built with ``from_config`` as the actor worker builds it (``hf``, or ``vllm`` with
+``rollout="vllm"``), the validation loop itself (:func:`hybridflow.trainer.validate.generate_and_score`: same
+batching, sampling overrides and seed) and scores by :func:`hybridflow.rewards.batch.score_batch` (what the
+rule-reward worker runs). So eval and validation give the same numbers for the same model, data and backend.
+One process, no Ray.
 
 Metrics (verl's names for the same thing in validation):
 
@@ -21,7 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence, Union
 
@@ -32,8 +36,10 @@ from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
 from hybridflow.distributed import resolve_dtype
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.rewards import check_data_sources
 from hybridflow.rewards.batch import decode_responses, score_batch
-from hybridflow.rollout import HFRollout
+from hybridflow.rollout import BaseRollout, get_rollout_class
+from hybridflow.trainer.validate import generate_and_score
 
 logger = logging.getLogger(__name__)
 
@@ -42,27 +48,8 @@ __all__ = ["evaluate"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _generate_and_score(
-    rollout: HFRollout, tokenizer: Any, batch: DataProto, sampling: dict, seed: Optional[int]
-) -> tuple[list[float], list[str], dict]:
-    """Generate ``sampling["n"]`` responses per prompt of ``batch`` (B prompts) and score them.
-
-    Returns N = B*n scores and texts, interleaved (p0, p0, p1, ...), and the prompts' non-tensor columns
-    repeated to match.
-    """
-    prompts = batch.select(["input_ids", "attention_mask", "position_ids"], non_tensor_batch_keys=[])
-    prompts.meta_info.update(sampling)
-    if seed is not None:
-        prompts.meta_info["seed"] = seed
-    gen = rollout.generate_sequences(prompts)
-    rows = batch.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch
-    scored = DataProto(batch=gen.batch, non_tensor_batch=rows)
-    texts = decode_responses(tokenizer, scored)
-    return score_batch(tokenizer, scored, texts), texts, rows
-
-
 def _passes(n: int, temperature: float, top_p: float, top_k: int) -> dict[str, dict]:
-    """Generation passes by name: sampling overrides for ``HFRollout`` (see :func:`evaluate`, ``n``)."""
+    """Generation passes by name: sampling overrides for the rollout (see :func:`evaluate`, ``n``)."""
     greedy = dict(n=1, do_sample=False, temperature=0.0)
     sampled = dict(n=n, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     if n > 1:
@@ -87,6 +74,7 @@ def evaluate(
     output: Optional[PathLike] = None,
     prompt_key: str = "prompt",
     trust_remote_code: bool = False,
+    rollout: str = "hf",
 ) -> dict:
     """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards.
 
@@ -102,81 +90,107 @@ def evaluate(
         max_response_length: generated tokens per response.
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
-        seed: seeds the sampled pass (batch ``i`` uses ``seed + i``).
+        seed: seeds the sampled pass (every batch's ``meta_info["seed"]``, as in validation).
         output: if set, a JSONL file with one line per response: ``index``, ``data_source``, ``prompt``,
             ``response``, ``ground_truth``, ``score``, ``pass`` (``"greedy"`` or ``"sampled"``) and ``sample``
             (0..n-1 within its prompt).
+        prompt_key, trust_remote_code: the row key of the prompt; passed to the tokenizer and model loaders.
+        rollout: the rollout backend's registered name (``hf``, ``vllm``), as ``actor_rollout_ref.rollout.name``.
+    Progress: a bar with ETA per pass on a terminal, plain lines otherwise (:mod:`hybridflow.utils.progress`).
 
     Returns:
         ``{"model", "data", "num_prompts", "num_filtered", "mean@1", ["mean@k"], "by_data_source":
         {source: {"num_prompts", "mean@1", ["mean@k"]}}, "settings": {...}, "seconds"}`` (JSON-serializable).
 
     Raises:
-        ValueError: ``n < 1``, ``batch_size < 1``, ``n > 1`` with ``temperature <= 0``, no prompts, or bad data
-            (see ``RLHFDataset``; an unknown ``data_source`` names the registered ones).
+        ValueError: ``n < 1``, ``batch_size < 1``, ``n > 1`` with ``temperature <= 0``, no prompts, or bad data (a :class:`~hybridflow.errors.DataError`, see ``RLHFDataset``; an unknown
+            ``data_source`` names the registered ones).
         FileNotFoundError: the model directory or a data file does not exist.
+        KeyError: ``rollout`` is not a registered backend (the message lists them).
     """
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
     if n > 1 and temperature <= 0:
         raise ValueError(f"mean@{n} samples {n} responses per prompt: it needs temperature > 0, got {temperature}")
     start = time.perf_counter()
-    paths = [data_files] if isinstance(data_files, (str, os.PathLike)) else list(data_files)
-    files = [os.fspath(f) for f in paths]
+    files = [os.fspath(f) for f in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     tokenizer = load_tokenizer(model_path, trust_remote_code)
-    dataset = RLHFDataset(load_rows(files, prompt_key), tokenizer, max_prompt_length or sys.maxsize, prompt_key,
-                          truncation)
+    rows = load_rows(files, prompt_key)
+    dataset = RLHFDataset(rows, tokenizer, max_prompt_length or sys.maxsize, prompt_key, truncation)
+    check_data_sources(rows)  # before the model loads
     if len(dataset) == 0:
         raise ValueError(f"no prompts to evaluate in {files}")
-    model = load_causal_lm(model_path, resolve_dtype(dtype, device), trust_remote_code).to(device)
-    rollout = HFRollout(
-        model,
-        SimpleNamespace(response_length=max_response_length, n=1, do_sample=False, temperature=0.0, top_p=top_p,
-                        top_k=top_k, micro_batch_size=batch_size),
-        eos_token_id=get_eos_token_ids(model_path, tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    data = collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    base = SimpleNamespace(response_length=max_response_length, n=1, do_sample=False, temperature=0.0, top_p=top_p,
+                           top_k=top_k, micro_batch_size=batch_size, tensor_model_parallel_size=1)
+    torch_dtype = resolve_dtype(dtype, device)
+    generator = _build_rollout(rollout, model_path, base, tokenizer, torch_dtype, device, trust_remote_code,
+                               max_model_len=data.batch["input_ids"].shape[1] + max_response_length)
+    scores = _run_passes(generator, tokenizer, data, _passes(n, temperature, top_p, top_k), batch_size, seed,
+                         output)
+    result: dict[str, Any] = {"model": model_path, "data": files, "num_prompts": len(dataset),
+                              "num_filtered": dataset.num_filtered,
+                              **_summarise(scores, data.non_tensor_batch["data_source"].tolist())}
+    result["settings"] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                          "max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
+                          "dtype": str(torch_dtype).replace("torch.", ""), "device": device, "rollout": rollout}
+    result["seconds"] = time.perf_counter() - start
+    return result
 
-    passes = _passes(n, temperature, top_p, top_k)
-    metric_of = {name: f"mean@{sampling['n']}" for name, sampling in passes.items()}
-    scores: dict[str, dict[str, list[float]]] = {metric: defaultdict(list) for metric in metric_of.values()}
-    prompts_per_source: dict[str, int] = defaultdict(int)
+
+def _run_passes(generator: BaseRollout, tokenizer: Any, data: DataProto, passes: dict[str, dict], batch_size: int,
+                seed: int, output: Optional[PathLike]) -> dict[str, dict[str, list[float]]]:
+    """Generate and score every pass over ``data`` (the validation loop); returns metric (``mean@<n>``) -> data
+    source -> scores, and writes each response to ``output`` when set."""
+    scores: dict[str, dict[str, list[float]]] = {f"mean@{p['n']}": defaultdict(list) for p in passes.values()}
     out = open(output, "w", encoding="utf-8") if output else None
     try:
-        for b, lo in enumerate(range(0, len(dataset), batch_size)):
-            items = [dataset[i] for i in range(lo, min(lo + batch_size, len(dataset)))]
-            for item in items:
-                prompts_per_source[item["data_source"]] += 1
-            batch = collate_fn(items, tokenizer.pad_token_id)
-            for name, sampling in passes.items():
-                batch_scores, texts, rows = _generate_and_score(
-                    rollout, tokenizer, batch, sampling, seed + b if name == "sampled" else None)
-                for i, score in enumerate(batch_scores):
-                    scores[metric_of[name]][rows["data_source"][i]].append(score)
-                    if out is not None:
-                        out.write(json.dumps({
-                            "index": int(rows["index"][i]), "data_source": rows["data_source"][i],
-                            "prompt": rows["raw_prompt"][i], "response": texts[i],
-                            "ground_truth": rows["ground_truth"][i], "score": score, "pass": name,
-                            "sample": i % sampling["n"],
-                        }) + "\n")
-            logger.info("eval: %d / %d prompts", lo + len(items), len(dataset))
+        for name, sampling in passes.items():
+            metric = f"mean@{sampling['n']}"
+            for scored, batch_scores in generate_and_score(
+                    generator.generate_sequences, lambda r: score_batch(tokenizer, r), data, sampling, batch_size,
+                    seed, f"eval ({name}, {metric})"):
+                for source, score in zip(scored.non_tensor_batch["data_source"], batch_scores):
+                    scores[metric][source].append(score)
+                if out is not None:
+                    _write_responses(out, tokenizer, scored, batch_scores, name, sampling["n"])
     finally:
         if out is not None:
             out.close()
+    return scores
 
-    result: dict[str, Any] = {"model": model_path, "data": files, "num_prompts": len(dataset),
-                              "num_filtered": dataset.num_filtered}
-    for metric, by_source in scores.items():
-        result[metric] = float(np.mean([s for v in by_source.values() for s in v]))
+
+def _summarise(scores: dict[str, dict[str, list[float]]], sources: list[str]) -> dict[str, Any]:
+    """``{metric: mean over all responses, "by_data_source": {source: {"num_prompts", metric: mean}}}`` from
+    ``scores`` (metric -> data source -> scores) and the data source of each prompt."""
+    result: dict[str, Any] = {metric: float(np.mean([s for v in by_source.values() for s in v]))
+                              for metric, by_source in scores.items()}
     result["by_data_source"] = {
         source: {"num_prompts": count,
                  **{metric: float(np.mean(by_source[source])) for metric, by_source in scores.items()}}
-        for source, count in sorted(prompts_per_source.items())
+        for source, count in sorted(Counter(sources).items())
     }
-    result["settings"] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-                          "max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
-                          "dtype": str(model.dtype).replace("torch.", ""), "device": device}
-    result["seconds"] = time.perf_counter() - start
     return result
+
+
+def _build_rollout(name: str, model_path: str, config: SimpleNamespace, tokenizer: Any, dtype: torch.dtype,
+                   device: str, trust_remote_code: bool, max_model_len: int) -> BaseRollout:
+    """The rollout backend ``name`` built as the actor worker builds it (``from_config``; a loaded module only
+    for a backend that ``needs_module``)."""
+    rollout_cls = get_rollout_class(name)
+    module = load_causal_lm(model_path, dtype, trust_remote_code).to(device) if rollout_cls.needs_module else None
+    return rollout_cls.from_config(model_path, module, config, eos_token_id=get_eos_token_ids(model_path, tokenizer),
+                                   pad_token_id=tokenizer.pad_token_id, dtype=dtype,
+                                   trust_remote_code=trust_remote_code, max_model_len=max_model_len)
+
+
+def _write_responses(out: Any, tokenizer: Any, scored: DataProto, scores: list[float], name: str, n: int) -> None:
+    """One JSON line per scored response (see :func:`evaluate`, ``output``)."""
+    rows = scored.non_tensor_batch
+    for i, text in enumerate(decode_responses(tokenizer, scored)):
+        out.write(json.dumps({
+            "index": int(rows["index"][i]), "data_source": rows["data_source"][i], "prompt": rows["raw_prompt"][i],
+            "response": text, "ground_truth": rows["ground_truth"][i], "score": scores[i], "pass": name,
+            "sample": i % n,
+        }) + "\n")

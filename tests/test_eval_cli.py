@@ -8,6 +8,8 @@ the expected ``mean@1`` is known in advance.
 """
 
 import json
+import logging
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +21,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 from hybridflow.cli import main as cli_main
 from hybridflow.evaluation import evaluate
 from hybridflow.rewards import REWARD_REGISTRY, register_reward
+from hybridflow.rollout import HFRollout, register_rollout
+from hybridflow.rollout.base import _ROLLOUT_REGISTRY
 
 WORDS = ["<|endoftext|>", "<unk>"] + "what is one two three four five plus minus the cat dog sat on a mat".split()
 SOURCES = ("test/exact-a", "test/exact-b")
@@ -132,3 +136,66 @@ def test_cli_errors(model_dir, data_file, tmp_path, capsys):
     assert "'nobody/registered'" in err and "openai/gsm8k" in err
     assert cli_main(["eval", str(tmp_path / "no-model"), str(data_file)]) == 1
     assert "not a local directory" in capsys.readouterr().err
+
+
+class CountingRollout(HFRollout):
+    """The hf backend, registered under another name, recording the prompts of every generate call."""
+
+    calls: list[int] = []
+
+    def generate_sequences(self, prompts):
+        CountingRollout.calls.append(len(prompts))
+        return super().generate_sequences(prompts)
+
+
+@pytest.fixture
+def counting_rollout():
+    register_rollout("test-counting")(CountingRollout)
+    CountingRollout.calls = []
+    yield CountingRollout
+    _ROLLOUT_REGISTRY.pop("test-counting")
+
+
+def test_cli_rollout_selects_the_registered_backend_with_progress(model_dir, data_file, counting_rollout, capsys,
+                                                                  caplog):
+    argv = ["eval", str(model_dir), str(data_file), "--rollout", "test-counting", "--batch-size", "4",
+            "--max-response-length", str(RESPONSE_LENGTH)]
+    with caplog.at_level(logging.INFO, logger="hybridflow.utils.progress"):
+        assert cli_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert counting_rollout.calls == [4, 2]  # 6 prompts in batches of 4, through the selected backend
+    assert result["mean@1"] == pytest.approx(4 / 6) and result["settings"]["rollout"] == "test-counting"
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("eval (greedy, mean@1): 6/6 prompts (100%)") and "ETA" in line for line in lines)
+
+
+def test_eval_equals_validation(model_dir, data_file):
+    """The same model and data through validate() (the training run's validation) and evaluate()."""
+    from hybridflow.config import load_config
+    from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+    from hybridflow.protocol import DataProto
+    from hybridflow.rewards.batch import score_batch
+    from hybridflow.trainer.validate import validate
+    from hybridflow.workers.reward_worker import place_scores
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.pad_token_id = tokenizer.eos_token_id
+    config = load_config("quickstart", [f"data.max_response_length={RESPONSE_LENGTH}", "data.val_batch_size=4"])
+    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    sampling = types.SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=0.0,
+                                     top_p=1.0, top_k=-1, micro_batch_size=4)
+    actor = HFRollout(model, sampling, eos_token_id=0, pad_token_id=0)
+
+    class Reward:
+        def compute_rm_score(self, rows):
+            scores = torch.tensor(score_batch(tokenizer, rows))
+            return DataProto.from_dict(tensors={"token_level_scores": place_scores(scores,
+                                                                                   rows.batch["response_mask"])})
+
+    dataset = RLHFDataset(load_rows(str(data_file)), tokenizer, 64)
+    val_data = collate_fn([dataset[i] for i in range(len(dataset))], 0)
+    metrics = validate(config, actor, Reward(), val_data)
+    result = evaluate(str(model_dir), str(data_file), batch_size=4, max_response_length=RESPONSE_LENGTH)
+    assert metrics["val/score"] == pytest.approx(result["mean@1"]) == pytest.approx(4 / 6)
+    for source in SOURCES:
+        assert metrics[f"val/score/{source}"] == pytest.approx(result["by_data_source"][source]["mean@1"])

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
 
+from hybridflow.errors import DataError
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,8 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
     Required columns: ``data_source``, ``prompt_key`` and ``reward_model``.
 
     Raises:
-        ValueError: ``files`` is an empty list, or a file lacks a required column (names the file and column).
+        ValueError: ``files`` is an empty list.
+        DataError: a file lacks a required column (names the file and column) or has no rows (names the file).
         FileNotFoundError: a file does not exist (names the file).
     """
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
@@ -67,30 +69,31 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
         table = pq.read_table(path)
         for column in ("data_source", prompt_key, "reward_model"):
             if column not in table.column_names:
-                raise ValueError(
-                    f"load_rows: {path} has no required column {column!r}; columns: {table.column_names}"
-                )
+                raise DataError(f"{path} has no required column {column!r}; columns: {table.column_names}")
+        if table.num_rows == 0:
+            raise DataError(f"{path} has no rows")
         rows.extend(table.to_pylist())
     return rows
 
 
 def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any) -> tuple[str, bool]:
-    """Return ``(text, add_bos)`` for row ``i`` per the module's prompt text rule; raise ValueError if malformed."""
+    """Return ``(text, add_bos)`` for row ``i`` per the module's prompt text rule; raise DataError if malformed."""
     if prompt_key not in row:
-        raise ValueError(f"row {i}: missing prompt key {prompt_key!r}; keys: {sorted(row)}")
+        raise DataError(f"missing prompt key {prompt_key!r}; keys: {sorted(row)}", row=i)
     prompt = row[prompt_key]
     if isinstance(prompt, str):
         return prompt, True
     if isinstance(prompt, np.ndarray):  # rows that went through pandas hold arrays of dicts
         prompt = list(prompt)
     if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise ValueError(
-            f"row {i}: {prompt_key!r} must be a str or a non-empty list of messages, got {type(prompt).__name__}"
-            + (" (empty)" if isinstance(prompt, (list, tuple)) else "")
+        raise DataError(
+            f"{prompt_key!r} must be a str or a non-empty list of messages, got {type(prompt).__name__}"
+            + (" (empty)" if isinstance(prompt, (list, tuple)) else ""), row=i
         )
     for j, m in enumerate(prompt):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError(f"row {i}: message {j} of {prompt_key!r} must be a dict with str 'role' and 'content'")
+            raise DataError(f"message {j} of {prompt_key!r} must be a dict with str 'role' and 'content'",
+                            row=i)
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
@@ -98,16 +101,16 @@ def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any) -> tuple[st
 
 
 def _ground_truth(row: dict, i: int) -> str:
-    """``row["reward_model"]["ground_truth"]`` as a str (ints/floats are converted); raise ValueError if missing."""
+    """``row["reward_model"]["ground_truth"]`` as a str (ints/floats are converted); raise DataError if missing."""
     reward_model = row.get("reward_model")
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise ValueError(f"row {i}: missing reward_model.ground_truth (reward_model is {reward_model!r})")
+        raise DataError(f"missing reward_model.ground_truth (reward_model is {reward_model!r})", row=i)
     truth = reward_model["ground_truth"]
     if isinstance(truth, str):
         return truth
     if isinstance(truth, (int, float)) and not isinstance(truth, bool):
         return str(truth)
-    raise ValueError(f"row {i}: reward_model.ground_truth must be a str, got {type(truth).__name__}")
+    raise DataError(f"reward_model.ground_truth must be a str, got {type(truth).__name__}", row=i)
 
 
 class RLHFDataset(Dataset):
@@ -123,10 +126,11 @@ class RLHFDataset(Dataset):
             ``"filter"`` drops the row (``self.num_filtered`` counts them; a warning is logged).
 
     Raises:
-        ValueError: an unknown ``truncation`` or ``max_prompt_length < 1``; a malformed row (missing prompt key,
-            prompt of the wrong type, missing ``reward_model.ground_truth``, non-str ``data_source``, prompt with
-            no tokens) or, with ``truncation="error"``, an over-long prompt; the message names the row index.
-            With ``"filter"``, also when every row is filtered out.
+        ValueError: an unknown ``truncation`` or ``max_prompt_length < 1``.
+        DataError: a malformed row (missing prompt key, prompt of the wrong type, missing
+            ``reward_model.ground_truth``, non-str ``data_source``, prompt with no tokens) or, with
+            ``truncation="error"``, an over-long prompt; the message names the row index and ``error.row`` holds
+            it. With ``"filter"``, also when every row is filtered out.
 
     ``self[i]`` is a dict: ``input_ids`` (1-D ``torch.long``, unpadded, possibly truncated), ``raw_prompt``
     (the prompt text before tokenization and truncation, after the chat template, without the prepended BOS),
@@ -152,17 +156,17 @@ class RLHFDataset(Dataset):
         texts, add_bos, records = [], [], []
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise ValueError(f"row {i}: expected a dict, got {type(row).__name__}")
+                raise DataError(f"expected a dict, got {type(row).__name__}", row=i)
             text, bos = _prompt_text(row, i, prompt_key, tokenizer)
             data_source = row.get("data_source")
             if not isinstance(data_source, str):
-                raise ValueError(f"row {i}: data_source must be a str, got {data_source!r}")
+                raise DataError(f"data_source must be a str, got {data_source!r}", row=i)
             extra_info = row.get("extra_info") or {}
             if not isinstance(extra_info, dict):
-                raise ValueError(f"row {i}: extra_info must be a dict, got {type(extra_info).__name__}")
+                raise DataError(f"extra_info must be a dict, got {type(extra_info).__name__}", row=i)
             index = extra_info.get("index")
             if index is not None and not isinstance(index, (int, np.integer)):
-                raise ValueError(f"row {i}: extra_info.index must be an int, got {index!r}")
+                raise DataError(f"extra_info.index must be an int, got {index!r}", row=i)
             records.append(
                 {
                     "raw_prompt": text,
@@ -183,12 +187,12 @@ class RLHFDataset(Dataset):
         for i, (ids, bos, record) in enumerate(zip(encoded, add_bos, records)):
             ids = ([bos_id] if bos and bos_id is not None else []) + list(ids)
             if not ids:
-                raise ValueError(f"row {i}: prompt has no tokens")
+                raise DataError(f"prompt has no tokens", row=i)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
-                    raise ValueError(
-                        f"row {i}: prompt has {len(ids)} tokens > max_prompt_length={max_prompt_length} "
-                        "(set truncation to 'left', 'right' or 'filter')"
+                    raise DataError(
+                        f"prompt has {len(ids)} tokens > max_prompt_length={max_prompt_length} "
+                        "(set truncation to 'left', 'right' or 'filter')", row=i
                     )
                 if truncation == "filter":
                     self.num_filtered += 1
@@ -202,7 +206,7 @@ class RLHFDataset(Dataset):
                 self.num_filtered, len(records), max_prompt_length,
             )
             if not self._records:
-                raise ValueError(
+                raise DataError(
                     f"RLHFDataset: all {len(records)} rows are longer than max_prompt_length={max_prompt_length}"
                 )
 

@@ -8,8 +8,10 @@ argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable
 
+from hybridflow.errors import DataError
 from hybridflow.rewards import gsm8k, math
 
 RewardFn = Callable[[str, str, Any], float]
@@ -62,6 +64,24 @@ def get_reward_fn(data_source: str) -> RewardFn:
         ) from None
 
 
+def check_data_sources(rows: Sequence[Mapping[str, Any]]) -> None:
+    """Check, before anything is generated, that every row's ``data_source`` has a registered reward.
+
+    Raises:
+        DataError: the first row whose ``data_source`` has none (``error.row`` is its index; the message lists
+            the known data sources).
+    """
+    checked: set[str] = set()
+    for i, row in enumerate(rows):
+        source = row.get("data_source")
+        if source not in checked:
+            try:
+                get_reward_fn(source)
+            except ValueError as exc:
+                raise DataError(str(exc), row=i) from None
+            checked.add(source)
+
+
 @register_reward("openai/gsm8k", "hybridflow/arith")
 def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
@@ -72,4 +92,5 @@ def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) ->
     return math.compute_score(solution_str, ground_truth)
 
 
-__all__ = ["REWARD_REGISTRY", "MATH_DATA_SOURCES", "default_compute_score", "register_reward", "gsm8k", "math"]
+__all__ = ["REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
+           "register_reward", "gsm8k", "math"]

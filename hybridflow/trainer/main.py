@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
+from hybridflow.errors import TrainingInterrupted
 from hybridflow.trainer.async_rl import AsyncTrainer
 from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
@@ -14,6 +15,7 @@ from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
 from hybridflow.trainer.scoring import build_cost, build_reward
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils.plot import write_run_curves
+from hybridflow.utils.progress import RunProgress
 from hybridflow.utils.tracking import Tracking
 
 logger = logging.getLogger(__name__)
@@ -32,36 +34,53 @@ DRIVERS = {
 def run_ppo(config) -> dict:
     """Train per ``config`` (a validated config from :func:`hybridflow.config.load_config`) with the driver
     ``algorithm.driver`` (the PPO family by default). Returns the last validation metrics. Shuts down a Ray
-    cluster it started itself."""
+    cluster it started itself.
+
+    Raises:
+        DataError: bad data (see :func:`~hybridflow.trainer.setup.build_data`), before Ray starts.
+        TrainingInterrupted: Ctrl-C (SIGINT, ``KeyboardInterrupt``); raised after the worker groups are removed
+            and Ray is shut down, naming the last complete step and the latest complete checkpoint. Everything
+            already written stays: checkpoints are renamed into place only when complete, and every step's
+            metrics row is flushed when logged.
+    """
     import ray
 
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     total = total_training_steps(config, steps_per_epoch)
-    resume_from = CheckpointManager(config.trainer.default_local_dir).resolve(config.trainer.resume_mode)
-    if resume_from is not None and load_trainer_state(resume_from)["global_step"] >= total:
-        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from,
-                    load_trainer_state(resume_from)["global_step"], total, config.trainer.resume_mode)
+    checkpoints = CheckpointManager(config.trainer.default_local_dir)
+    resume_from = checkpoints.resolve(config.trainer.resume_mode)
+    start = load_trainer_state(resume_from)["global_step"] if resume_from is not None else 0
+    if start >= total:
+        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from, start, total,
+                    config.trainer.resume_mode)
         return {}
-    started_ray = init_ray(config)
+    logger.info("starting Ray (or joining RAY_ADDRESS / trainer.ray_init.address)")
+    started_ray = False
     try:
+        started_ray = init_ray(config)
         with worker_groups(config, total) as groups:
-            return _train(config, groups, train_batches, val_data, total)
+            return _train(config, groups, train_batches, val_data, total, start)
+    except KeyboardInterrupt:  # before training started (Ray, workers); _train reports the steps it ran
+        raise TrainingInterrupted(start, total, checkpoints.latest()) from None
     finally:
         if started_ray:
             ray.shutdown()
 
 
-def _train(config, groups, train_batches, val_data, total) -> dict:
-    tracker = Tracking(
+def _train(config, groups, train_batches, val_data, total: int, start: int) -> dict:
+    tracker = RunProgress(Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,
         default_local_dir=config.trainer.default_local_dir,
         backends=list(config.trainer.logger),
         config=config,
-    )
+    ), total, start)
     try:
         trainer = DRIVERS[config.algorithm.driver](config, groups, tracker)
         result = trainer.fit(train_batches, val_data, total)
+    except KeyboardInterrupt:
+        latest = CheckpointManager(config.trainer.default_local_dir).latest()
+        raise TrainingInterrupted(tracker.last_step, total, latest) from None
     finally:
         tracker.finish()
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))

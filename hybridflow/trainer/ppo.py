@@ -60,7 +60,12 @@ class PPOTrainer:
         writers = {name: group.save_checkpoint for name, group in self.checkpointed_groups.items()}
         state = {"global_step": self.global_step,
                  **{name: obj.state_dict() for name, obj in self.checkpointed_state.items()}}
-        return self.checkpoints.save(self.global_step, writers, state)
+        start = time.perf_counter()
+        logger.info("saving the checkpoint of step %d (%s) under %s", self.global_step, ", ".join(writers),
+                    self.checkpoints.root)
+        path = self.checkpoints.save(self.global_step, writers, state)
+        logger.info("saved %s in %.1f s", path, time.perf_counter() - start)
+        return path
 
     def resume(self) -> int:
         """Load the checkpoint chosen by ``trainer.resume_mode`` (if any); returns the step to continue from.

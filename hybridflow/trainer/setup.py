@@ -6,6 +6,7 @@ import itertools
 from contextlib import contextmanager
 import logging
 import os
+import time
 from typing import Callable, Iterator
 
 import torch
@@ -15,8 +16,11 @@ from hybridflow.config import need_critic
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+from hybridflow.errors import DataError
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.utils.progress import Progress
+from hybridflow.rewards import check_data_sources
 from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 from hybridflow.workers.critic_worker import CriticWorker
 from hybridflow.workers.generator_worker import GeneratorWorker
@@ -44,30 +48,69 @@ def init_ray(config) -> bool:
     return True
 
 
-def _rows(files, split: str, size: int, seed: int, prompt_key: str) -> list[dict]:
-    return load_rows(files, prompt_key) if files else make_builtin_rows(split, size, seed)
+def load_split(config, tokenizer, split: str) -> RLHFDataset:
+    """The ``train`` or ``val`` prompts: ``data.<split>_files`` (or the built-in task's split when unset),
+    tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
+    not used: ``reward_model.enable`` with ``combine=model``).
+
+    Raises:
+        DataError: a file lacks a column or has no rows, a row is malformed or over-long (``truncation=error``),
+            or a ``data_source`` has no registered reward; the message starts with ``data.<split>_files`` and
+            names the file and the row inside it.
+    """
+    data, key = config.data, f"data.{split}_files"
+    given = data.train_files if split == "train" else data.val_files
+    files = [str(given)] if isinstance(given, (str, os.PathLike)) else [str(f) for f in given or []]
+    sizes: list[tuple[str, int]] = []  # (file, rows), to name the file of a row
+    rows: list[dict] = []
+    try:
+        for path in files:
+            part = load_rows(path, data.prompt_key)
+            sizes.append((path, len(part)))
+            rows += part
+        if not files:
+            rows = make_builtin_rows(split, data.builtin_train_size if split == "train" else data.builtin_val_size,
+                                     data.seed)
+            sizes.append((f"the built-in task's {split} split", len(rows)))
+        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation)
+        if not (config.reward_model.enable and config.reward_model.combine == "model"):
+            check_data_sources(rows)
+    except DataError as exc:
+        raise DataError(f"{key}: {_where(sizes, exc)}") from None
+    return dataset
+
+
+def _where(sizes: list[tuple[str, int]], exc: DataError) -> str:
+    """``exc``'s message with its row (an index into the concatenated files) as ``<file> row <i>``."""
+    if exc.row is None:
+        return str(exc)
+    row = exc.row
+    for path, count in sizes:
+        if row < count:
+            return f"{path} row {row}: {exc.reason}"
+        row -= count
+    return str(exc)
 
 
 def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
     """``batches(start_step)``: the train batches from global step ``start_step`` on (an endless iterator over
     epochs, each a permutation seeded by ``data.seed + epoch``, so the position is a pure function of the step
     and a resumed run sees exactly the batches it would have seen); the whole validation set as one
-    left-padded DataProto; the number of steps per epoch."""
+    left-padded DataProto; the number of steps per epoch.
+
+    Raises:
+        DataError: see :func:`load_split`; also a ``data.train_batch_size`` above the number of train prompts.
+    """
     data = config.data
     model = config.actor_rollout_ref.model
     tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
 
-    def dataset(files, split, size):
-        rows = _rows(files, split, size, data.seed, data.prompt_key)
-        return RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation)
-
-    train = dataset(data.train_files, "train", data.builtin_train_size)
-    val = dataset(data.val_files, "val", data.builtin_val_size)
+    train = load_split(config, tokenizer, "train")
+    val = load_split(config, tokenizer, "val")
     steps_per_epoch = len(train) // data.train_batch_size
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"data.train_batch_size={data.train_batch_size} exceeds the {len(train)} training prompts"
-        )
+        raise DataError(f"data.train_batch_size={data.train_batch_size} exceeds the {len(train)} training prompts "
+                        f"of data.train_files ({data.train_files or 'the built-in task'})")
 
     def collate(features):
         return collate_fn(features, tokenizer.pad_token_id, data.max_prompt_length)
@@ -157,14 +200,45 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
         for name, nodes in pools_spec.items():
             if sharing[name]:
                 pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
+        start = time.monotonic()
+        logger.info("starting worker groups: %s", ", ".join(
+            f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))
         created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
         groups = dict(zip(roles, created))
         pending = {role: group.execute_all_async("init_model",
                                                      *([total_steps] if role in _TAKE_TOTAL_STEPS else []))
                    for role, group in groups.items()}
-        for role, refs in pending.items():  # WorkerError names the role and rank of a failed init
-            get_outputs(refs, range(len(refs)), groups[role].name, "init_model")
+        _wait_until_up(groups, pending, start)
         yield groups
     finally:
         for pool in pools.values():
             pool.remove()
+
+
+def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list], start: float) -> None:
+    """Wait for every group's ``init_model`` refs (``pending``: role -> refs, one per rank), reporting each group
+    as it comes up (a progress bar on a terminal, a log line each, with the seconds since ``start``, a
+    ``time.monotonic()`` taken before the groups were spawned).
+
+    Raises:
+        WorkerError: a rank's ``init_model`` raised or its actor died (names the role and rank), as soon as it
+            happens, even while other groups still initialize.
+    """
+    import ray
+
+    left = {role: set(refs) for role, refs in pending.items()}
+    up: list[str] = []
+    with Progress("worker groups up", len(pending), "groups", leave=False) as progress:
+        while left:
+            ready, _ = ray.wait([ref for refs in left.values() for ref in refs], num_returns=1)
+            role = next(r for r, refs in left.items() if ready[0] in refs)
+            left[role].discard(ready[0])
+            if left[role]:
+                continue
+            del left[role]
+            # WorkerError names the role and rank of a failed init
+            get_outputs(pending[role], range(len(pending[role])), groups[role].name, "init_model")
+            up.append(role)
+            logger.info("worker group %s up: %d ranks, %.1f s after spawning", role, len(pending[role]),
+                        time.monotonic() - start)
+            progress.update(1, postfix={"up": ", ".join(up)})

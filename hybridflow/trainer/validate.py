@@ -8,28 +8,67 @@ With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per 
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
 from hybridflow.protocol import DataProto
+from hybridflow.utils.progress import Progress
+
+logger = logging.getLogger(__name__)
 
 GREEDY = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
+PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callable[[DataProto], list[float]],
+                       data: DataProto, sampling: dict, batch_size: Optional[int], seed: int,
+                       desc: str) -> Iterator[tuple[DataProto, list[float]]]:
+    """The rollout-and-score loop shared by validation and ``hybridflow eval`` (so both give the same numbers
+    for the same model, data and backend): ``data`` split into chunks of ``batch_size`` prompts (None: one
+    chunk), each chunk's prompts generated with the sampling overrides ``sampling`` (``do_sample``,
+    ``temperature``, ``top_p``, ``top_k``, ``n``) and ``seed`` in ``meta_info``, then scored. Shows a progress
+    bar (or plain lines) named ``desc`` over the prompts.
+
+    Args:
+        generate: the actor group's (or a local rollout's) ``generate_sequences``.
+        score: N responses -> N floats (e.g. the summed ``token_level_scores`` of the reward).
+        data: B left-padded prompts (``input_ids``, ``attention_mask``, ``position_ids`` (B, P)) and their
+            non-tensor columns (``data_source``, ``ground_truth``, ...).
+
+    Yields:
+        per chunk of b prompts: the N = b*n scored rows (the generated tensors and the prompts' non-tensor
+        columns repeated n times, interleaved: p0, p0, p1, ...) and their N scores.
+    """
+    batch_size = batch_size or len(data)
+    logger.info("%s: %d prompts x %d responses, %d prompts per batch", desc, len(data), sampling["n"], batch_size)
+    with Progress(desc, len(data), "prompts", leave=False) as progress:
+        for chunk in data.split(batch_size):
+            prompts = chunk.select(PROMPT_KEYS, non_tensor_batch_keys=[])
+            prompts.meta_info.update(sampling, seed=seed)
+            gen = generate(prompts)
+            columns = chunk.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch
+            rows = DataProto(batch=gen.batch, non_tensor_batch=columns)
+            yield rows, score(rows)
+            progress.update(len(chunk))
 
 
 def _scores(config, actor, reward, val_data: DataProto, sampling: dict, cost=None,
             costs: list[float] | None = None) -> tuple[list[float], list[str]]:
     """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``."""
-    batch_size = config.data.val_batch_size or len(val_data)
     scores: list[float] = []
     sources: list[str] = []
-    for chunk in val_data.split(batch_size):
-        prompts = chunk.select(["input_ids", "attention_mask", "position_ids"])
-        prompts.meta_info.update(sampling, seed=config.trainer.seed)
-        gen = actor.generate_sequences(prompts)
-        rows = chunk.repeat(sampling["n"], interleave=True)
-        rows = DataProto(batch=gen.batch, non_tensor_batch=rows.non_tensor_batch)
-        scores.extend(reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist())
+    name = "greedy" if not sampling["do_sample"] else f"mean@{sampling['n']}"
+
+    def score(rows: DataProto) -> list[float]:
+        return reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist()
+
+    for rows, chunk_scores in generate_and_score(actor.generate_sequences, score, val_data, sampling,
+                                                 config.data.val_batch_size, config.trainer.seed,
+                                                 f"validation ({name})"):
+        scores.extend(chunk_scores)
         sources.extend(rows.non_tensor_batch["data_source"].tolist())
         if cost is not None:
             costs.extend(cost.compute_cost(rows).sum(-1).tolist())

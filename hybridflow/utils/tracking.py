@@ -36,12 +36,14 @@ import json
 import logging
 import math
 import re
-import sys
+
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hybridflow.utils.progress import write_line
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class Tracking:
             raise ValueError("'step' is reserved for the step argument; rename that metric")
         metrics = {name: _to_float(name, value) for name, value in data.items()}
         if "console" in self.backends:
-            print(format_console_line(metrics, step), file=sys.stdout, flush=True)
+            write_line(format_console_line(metrics, step))  # above the progress bars, if any
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
             self._jsonl.flush()

@@ -1,0 +1,94 @@
+"""``hybridflow train`` reports user errors (bad data) in one line, exit 1, before Ray starts; bugs keep tracebacks."""
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hybridflow.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+# the built-in task's reward; the shipped tiny model's tokenizer splits "1 + 1 = ?" into a handful of tokens
+GOOD = {"data_source": "hybridflow/arith", "prompt": [{"role": "user", "content": "1 + 1 = ?"}],
+        "reward_model": {"style": "rule", "ground_truth": "2"}}
+LONG = {**GOOD, "prompt": [{"role": "user", "content": " + ".join(["1"] * 200)}]}
+UNKNOWN = {**GOOD, "data_source": "nobody/registered"}
+
+
+def _write(path: Path, rows: list[dict], schema: pa.Schema | None = None) -> str:
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+    return str(path)
+
+
+def _cases(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Case -> (overrides, strings the one error line must contain)."""
+    good = _write(tmp / "good.parquet", [GOOD] * 4)
+    no_column = _write(tmp / "no_column.parquet", [{k: v for k, v in GOOD.items() if k != "reward_model"}] * 4)
+    empty = _write(tmp / "empty.parquet", [], schema=pa.Table.from_pylist([GOOD]).schema)
+    long = _write(tmp / "long.parquet", [GOOD, GOOD, LONG])
+    unknown = _write(tmp / "unknown.parquet", [GOOD, UNKNOWN, GOOD])
+    return {
+        "missing_column": ([f"data.train_files={no_column}", f"data.val_files={good}"],
+                           ["data.train_files", no_column, "'reward_model'"]),
+        "empty_file": ([f"data.train_files={good}", f"data.val_files={empty}"],
+                       ["data.val_files", empty, "no rows"]),
+        "prompt_too_long": ([f"data.train_files={good}", f"data.val_files=[{good},{long}]", "data.truncation=error"],
+                            ["data.val_files", long, "row 2", "max_prompt_length=64"]),
+        "unknown_data_source": ([f"data.train_files={unknown}", f"data.val_files={good}"],
+                                ["data.train_files", unknown, "row 1", "'nobody/registered'", "hybridflow/arith"]),
+    }
+
+
+CASES = ["missing_column", "empty_file", "prompt_too_long", "unknown_data_source"]
+SMALL = ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_data_error_is_one_line_before_ray_in_process(case, tmp_path, capsys):
+    overrides, expected = _cases(tmp_path)[case]
+    assert main(["train", "quickstart", *SMALL, f"trainer.default_local_dir={tmp_path / 'run'}", *overrides]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    for text in expected:
+        assert text in err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    assert not (tmp_path / "run").exists()  # nothing ran: no tracker, no workers
+
+
+@pytest.mark.slow
+def test_data_errors_through_the_cli_are_one_line_without_traceback(tmp_path):
+    """The real command line: stderr is exactly the error line (no log records, no traceback), exit status 1."""
+    procs = {}
+    for case in CASES:  # concurrently: each start-up is mostly importing torch
+        (tmp_path / case).mkdir()
+        overrides, expected = _cases(tmp_path / case)[case]
+        cmd = [sys.executable, "-m", "hybridflow", "train", "quickstart", *SMALL,
+               f"trainer.default_local_dir={tmp_path / case / 'run'}", *overrides]
+        procs[case] = (subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                       expected)
+    for case, (proc, expected) in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 1, (case, stderr)
+        assert "Traceback" not in stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (case, stderr)
+        for text in expected:
+            assert text in lines[0], (case, text)
+        assert not (tmp_path / case / "run").exists()
+
+
+def test_programming_error_keeps_its_traceback(monkeypatch):
+    module = types.ModuleType("hybridflow.trainer.main")
+
+    def run_ppo(config):
+        raise RuntimeError("a bug")
+
+    module.run_ppo = run_ppo
+    monkeypatch.setitem(sys.modules, "hybridflow.trainer.main", module)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["train", "quickstart"])
