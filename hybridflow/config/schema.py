@@ -201,6 +201,9 @@ class CostConfig:
 class RayInitConfig:
     num_cpus: Optional[int] = None  # logical CPUs for a local cluster; None means max(cpu count, ranks needed)
     address: Optional[str] = None  # connect to an existing cluster; RAY_ADDRESS also works
+    # the one address a cluster the driver starts listens on (Ray processes, torch.distributed rendezvous);
+    # 127.0.0.1 keeps a local run off the network; unused when joining a cluster (its node IPs are used)
+    node_ip_address: str = "127.0.0.1"
 
 
 @dataclass

@@ -15,6 +15,7 @@ from hybridflow.config import need_critic
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.actor_worker import ActorRolloutRefWorker
@@ -26,9 +27,10 @@ from hybridflow.workers.rm_worker import RewardModelWorker
 logger = logging.getLogger(__name__)
 
 def init_ray(config) -> bool:
-    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set, else start a local cluster (with
-    ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all resource pools + 1)) whose
-    dashboard (if any) binds to 127.0.0.1. Returns True when this call started the cluster."""
+    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set (the cluster's own node IPs are used),
+    else start a local cluster (with ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all
+    resource pools + 1)) whose processes listen on ``trainer.ray_init.node_ip_address`` only (127.0.0.1 by
+    default, no dashboard). Returns True when this call started the cluster."""
     import ray
 
     if ray.is_initialized():
@@ -40,8 +42,37 @@ def init_ray(config) -> bool:
     pools = config.resource_pool.pools
     ranks = sum(sum(nodes) for nodes in pools.values()) if pools else config.trainer.n_gpus_per_node * config.trainer.nnodes
     num_cpus = config.trainer.ray_init.num_cpus or max(os.cpu_count() or 1, ranks + 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
+    _start_local_ray(num_cpus, config.trainer.ray_init.node_ip_address)
     return True
+
+
+def _start_local_ray(num_cpus: int, host: str) -> None:
+    """``ray.init`` of a local cluster whose processes (GCS, raylet, agents, workers, the driver's own server)
+    listen on ``host``; the workers' torch.distributed rendezvous then binds it too (``MASTER_ADDR`` is the node
+    IP Ray reports).
+
+    On Linux Ray replaces a loopback node IP by the machine's outward IP (its multi-machine mode), so for a
+    loopback ``host`` Ray's single-machine mode (the one it uses on macOS/Windows: ``ENABLE_RAY_CLUSTER`` false,
+    env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) is switched on for the duration of ``ray.init`` only; the
+    started processes take the node IP from their command line.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    single_machine = is_loopback(host)
+    if single_machine and not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        logger.warning("this Ray version (%s) has no single-machine mode: its processes may listen on all "
+                       "interfaces", ray.__version__)
+        single_machine = False
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    if single_machine:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host=host, _node_ip_address=host,
+                 log_to_driver=True)
+    finally:
+        if single_machine:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _rows(files, split: str, size: int, seed: int, prompt_key: str) -> list[dict]:
