@@ -20,6 +20,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import os
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -178,9 +179,21 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         OmegaConf.resolve(cfg)  # values nested inside free-form (Any) keys
     except OmegaConfBaseException as exc:
         raise ConfigError([f"{getattr(exc, 'full_key', None) or '<root>'}: {str(exc).splitlines()[0]}"]) from None
+    _make_paths_absolute(cfg)
     OmegaConf.set_struct(cfg, True)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _make_paths_absolute(cfg: DictConfig) -> None:
+    """Resolve the run's output locations against the working directory once, at load: the run directory
+    ``trainer.default_local_dir`` (``~`` expanded) and an explicit ``trainer.resume_mode`` checkpoint path. Every
+    later reader (driver, workers on other nodes, the log) then sees the same absolute path; under
+    ``ray job submit --working-dir`` a relative one lands in Ray's temporary copy of the working directory."""
+    trainer = cfg.trainer
+    trainer.default_local_dir = os.path.abspath(os.path.expanduser(trainer.default_local_dir))
+    if trainer.resume_mode not in ("auto", "disable"):
+        trainer.resume_mode = os.path.abspath(os.path.expanduser(trainer.resume_mode))
 
 
 def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
