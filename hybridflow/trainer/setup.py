@@ -174,20 +174,38 @@ def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
     return {k: list(v) for k, v in pools.items()}, mapping
 
 
+def _use_gpu(device: str) -> bool | None:
+    """``trainer.device`` -> the pools' ``use_gpu``: auto -> None (GPUs iff the Ray cluster has them), cpu -> False
+    (the workers reserve and see no GPU), cuda -> True.
+
+    Raises:
+        ValueError: ``cuda`` on a Ray cluster without GPUs.
+    """
+    import ray
+
+    if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError("trainer.device=cuda, but the Ray cluster has no GPUs (use trainer.device=auto or cpu, "
+                         "or a cluster with GPUs)")
+    return {"auto": None, "cpu": False, "cuda": True}[device]
+
+
 @contextmanager
 def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
     """Spawn the groups of :func:`worker_roles` on their resource pools (each group has as many ranks as its
-    pool; groups on one pool share its devices and take turns), run every group's ``init_model`` concurrently,
+    pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's
+    ``init_model`` concurrently,
     and yield ``{role: group}``. On exit (also on error) the pools are removed, which ends their actors, so a
     long-lived Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
+    use_gpu = _use_gpu(config.trainer.device)
     roles = worker_roles(config)
     sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
     pools: dict[str, ResourcePool] = {}
     try:
         for name, nodes in pools_spec.items():
             if sharing[name]:
-                pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
+                pools[name] = ResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=max(1, sharing[name]),
+                                           name_prefix=name)
         created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
         groups = dict(zip(roles, created))
         pending = {role: group.execute_all_async("init_model",
