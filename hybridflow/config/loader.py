@@ -20,6 +20,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import ipaddress
 import os
 import typing
 from collections.abc import Callable, Iterable, Sequence
@@ -91,6 +92,14 @@ _FRACTIONS = (  # values in [0, 1]
 )
 _PROBABILITIES = ("actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p")  # in (0, 1]
 
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
 _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (_POSITIVE, lambda v: v >= 1, "must be >= 1"),
     (_POSITIVE_OR_NONE, lambda v: v is None or v >= 1, "must be null or >= 1"),
@@ -107,6 +116,7 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
+    (("trainer.ray_init.node_ip_address",), _is_ip, "must be an IP address of this machine (127.0.0.1: local only)"),
 ]
 
 

@@ -88,3 +88,10 @@ def test_strategy_rejects_what_is_not_implemented(strategy):
 def test_strategy_fsdp2_loads():
     assert load_config("quickstart", ["actor_rollout_ref.actor.strategy=fsdp2"]).actor_rollout_ref.actor.strategy \
         == "fsdp2"
+
+
+def test_node_ip_address_must_be_an_ip():
+    (problem,) = _problems("trainer.ray_init.node_ip_address=localhost")
+    assert problem.startswith("trainer.ray_init.node_ip_address: must be an IP address")
+    assert load_config("quickstart", ["trainer.ray_init.node_ip_address=10.0.0.5"]).trainer.ray_init.node_ip_address \
+        == "10.0.0.5"
