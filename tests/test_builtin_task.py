@@ -94,9 +94,9 @@ def test_bad_arguments():
         make_builtin_rows("train", -1, seed=0)
 
 
-def test_resolve_model_path():
+def test_resolve_model_path(tmp_path):
     assert resolve_model_path("builtin:tiny-arith") == BUILTIN_MODELS["tiny-arith"]
-    assert resolve_model_path("/some/dir") == "/some/dir"
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
     with pytest.raises(ValueError, match="builtin:tiny-arith"):
         resolve_model_path("builtin:nope")

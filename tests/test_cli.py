@@ -1,5 +1,6 @@
 """The hybridflow command line: config errors exit 2 fast (before Ray), --print-config, dispatch to run_ppo."""
 
+import os
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ def test_print_config_prints_the_resolved_yaml(fake_trainer, capsys):
     assert main(["train", "quickstart", overrides[0], "--print-config", overrides[1]]) == 0
     assert fake_trainer.calls == []
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed["trainer"]["default_local_dir"] == "out/p"
+    assert printed["trainer"]["default_local_dir"] == os.path.abspath("out/p")  # made absolute at load
     assert printed == config_to_dict(load_config("quickstart", overrides))
 
 

@@ -20,6 +20,8 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import ipaddress
+import os
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -50,6 +52,12 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
 }
+# keys that were accepted once and removed: setting one is an unknown key, with this hint
+REMOVED_KEYS: dict[str, str] = {
+    "reward_model.reward_manager": "hybridflow has one reward manager (verl's naive: each response's score on its "
+                                   "last token); a custom scoring function goes in reward_model.compute_score",
+}
+IMPLEMENTED_STRATEGIES = ("fsdp2",)  # training engines the workers build (actor_rollout_ref.actor.strategy)
 NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a registry lookup or the accepted names
     "algorithm.adv_estimator": ("hybridflow.algorithms", "get_adv_estimator_fn"),
     "actor_rollout_ref.actor.policy_loss": ("hybridflow.algorithms", "get_policy_loss_fn"),
@@ -85,6 +93,14 @@ _FRACTIONS = (  # values in [0, 1]
 )
 _PROBABILITIES = ("actor_rollout_ref.rollout.top_p", "actor_rollout_ref.rollout.val_kwargs.top_p")  # in (0, 1]
 
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
 _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (_POSITIVE, lambda v: v >= 1, "must be >= 1"),
     (_POSITIVE_OR_NONE, lambda v: v is None or v >= 1, "must be null or >= 1"),
@@ -101,6 +117,7 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
+    (("trainer.ray_init.node_ip_address",), _is_ip, "must be an IP address of this machine (127.0.0.1: local only)"),
 ]
 
 
@@ -179,9 +196,28 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         OmegaConf.resolve(cfg)  # values nested inside free-form (Any) keys
     except OmegaConfBaseException as exc:
         raise ConfigError([f"{getattr(exc, 'full_key', None) or '<root>'}: {str(exc).splitlines()[0]}"]) from None
+    _make_paths_absolute(cfg)
     OmegaConf.set_struct(cfg, True)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _make_paths_absolute(cfg: DictConfig) -> None:
+    """Resolve the run's paths against the working directory once, at load: the run directory
+    ``trainer.default_local_dir`` (``~`` expanded), an explicit ``trainer.resume_mode`` checkpoint path and a user
+    reward file in ``reward_model.compute_score``. Every
+    later reader (driver, workers on other nodes, the log) then sees the same absolute path; under
+    ``ray job submit --working-dir`` a relative one lands in Ray's temporary copy of the working directory."""
+    trainer = cfg.trainer
+    trainer.default_local_dir = os.path.abspath(os.path.expanduser(trainer.default_local_dir))
+    if trainer.resume_mode not in ("auto", "disable"):
+        trainer.resume_mode = os.path.abspath(os.path.expanduser(trainer.resume_mode))
+    if cfg.reward_model.compute_score != "default":
+        from hybridflow.rewards import split_compute_score
+
+        target, name, is_file = split_compute_score(cfg.reward_model.compute_score)
+        if is_file:  # a user file: every worker imports it by this path
+            cfg.reward_model.compute_score = f"{os.path.abspath(os.path.expanduser(target))}:{name}"
 
 
 def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
@@ -303,6 +339,8 @@ def _ratio(a: str, b: str) -> float:
 def _unknown_key_problem(path: str, key: str, siblings: list[str], source: str) -> str:
     prefix = path[: len(path) - len(key)]
     message = f"{path}: unknown key (from {source})"
+    if path in REMOVED_KEYS:
+        return message + f"; removed: {REMOVED_KEYS[path]}"
     if key == "defaults":
         return message + "; recipes are plain deltas on the schema defaults, without a defaults list"
     suggestions = []
@@ -346,7 +384,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
 
     checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
                lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
-               lambda: _driver_problems(get), lambda: _score_model_problems(get),
+               lambda: _driver_problems(get), lambda: _score_model_problems(get), lambda: _reward_fn_problems(get),
+               lambda: _strategy_problems(get("actor_rollout_ref.actor.strategy")),
                lambda: _parallel_layout_problems(get)]
     problems: list[str] = []
     for check in checks:
@@ -485,6 +524,28 @@ def _async_problems(get: Callable[[str], Any]) -> list[str]:
     if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
         problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
     return problems
+
+
+def _strategy_problems(strategy: str) -> list[str]:
+    if strategy in IMPLEMENTED_STRATEGIES:
+        return []
+    return [f"actor_rollout_ref.actor.strategy: {strategy!r} is not implemented; the training engine is "
+            f"{' | '.join(IMPLEMENTED_STRATEGIES)} (FSDP2 with DTensor tensor parallelism: "
+            "actor_rollout_ref.actor.tensor_model_parallel_size)"]
+
+
+def _reward_fn_problems(get: Callable[[str], Any]) -> list[str]:
+    """A user ``reward_model.compute_score`` must import and name a callable (loaded here once, on the driver)."""
+    spec = get("reward_model.compute_score")
+    if spec == "default":
+        return []
+    from hybridflow.rewards import load_compute_score
+
+    try:
+        load_compute_score(spec)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _score_model_problems(get: Callable[[str], Any]) -> list[str]:

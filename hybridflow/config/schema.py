@@ -29,7 +29,8 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
-    param_offload: bool = False  # keep params on host memory between phases
+    # actor: while generating (hf rollout's 3D-HybridEngine); critic: between its calls. A no-op on CPU
+    param_offload: bool = False  # keep params (and grads) on host memory between phases
     optimizer_offload: bool = False  # keep optimizer state on host memory between phases
 
 
@@ -44,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp2"  # training backend (only fsdp2 for now)
+    strategy: str = "fsdp2"  # training backend: fsdp2 (FSDP2 + DTensor tp), the only one implemented
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
     ppo_epochs: int = 1  # passes over the rollout batch per step
@@ -179,8 +180,9 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    reward_manager: str = "naive"  # how scores become token-level rewards
-    compute_score: str = "default"  # registered scoring function name
+    # default (the reward registered for each row's data_source) | path/to/file.py:fn | package.module:fn, a user
+    # fn(data_source, solution_str, ground_truth, extra_info=None) -> float (verl's custom_reward_function)
+    compute_score: str = "default"
     error_score: Optional[float] = None  # score used when a reward function raises; None stops with an error
     enable: bool = False  # also score with a reward model (a sequence/token-classification checkpoint)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the reward model's local directory
@@ -201,6 +203,9 @@ class CostConfig:
 class RayInitConfig:
     num_cpus: Optional[int] = None  # logical CPUs for a local cluster; None means max(cpu count, ranks needed)
     address: Optional[str] = None  # connect to an existing cluster; RAY_ADDRESS also works
+    # the one address a cluster the driver starts listens on (Ray processes, torch.distributed rendezvous);
+    # 127.0.0.1 keeps a local run off the network; unused when joining a cluster (its node IPs are used)
+    node_ip_address: str = "127.0.0.1"
 
 
 @dataclass
@@ -211,7 +216,7 @@ class TrainerConfig:
     total_training_steps: Optional[int] = None  # stop after this many steps; None means total_epochs
     nnodes: int = 1
     n_gpus_per_node: int = 2  # ranks per node (processes on CPU, GPUs on GPU machines)
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto (GPUs when the Ray cluster has them) | cpu (workers use no GPU) | cuda (require GPUs)
     save_freq: int = -1  # save a checkpoint every N steps (and at the last step); -1 disables
     resume_mode: str = "auto"  # auto (latest checkpoint in default_local_dir, if any) | disable | a checkpoint path
     max_ckpt_to_keep: Optional[int] = None  # keep the newest N checkpoints; None keeps all

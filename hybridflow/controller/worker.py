@@ -50,20 +50,21 @@ def _node_ip() -> str:
 _PORT_RANGE = (20000, 32767)
 
 
-def _free_port() -> int:
-    """A TCP port that was free a moment ago: a random one in ``_PORT_RANGE`` (else any the OS picks). Another
-    process could still take it first; the range makes that unlikely."""
+def _free_port(host: str) -> int:
+    """A TCP port on ``host`` that was free a moment ago: a random one in ``_PORT_RANGE`` (else any the OS
+    picks). Another process could still take it first; the range makes that unlikely."""
     import random
 
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for port in random.sample(range(*_PORT_RANGE), 64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
-                s.bind(("", port))
+                s.bind((host, port))
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -90,7 +91,7 @@ class Worker:
                     "(start workers through RayWorkerGroup, which passes rank 0's address to the others)"
                 )
             os.environ["MASTER_ADDR"] = _node_ip()
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(_free_port(os.environ["MASTER_ADDR"]))
         # mesh name -> (dp_rank, is_collect); see _register_dispatch_collect_info.
         self._mesh_dispatch_info: dict[str, tuple[int, bool]] = {}
 

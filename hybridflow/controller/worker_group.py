@@ -255,6 +255,7 @@ class RayWorkerGroup(_WorkerGroupBase):
             **getattr(cls, "ray_actor_options", {}),
         }
         self._actor_cls = ray.remote(_with_env(cls))
+        self._use_gpu = resource_pool.use_gpu
         self._placements = placements
         self._init = ray_cls_with_init
         self._bin_pack = bin_pack
@@ -268,6 +269,8 @@ class RayWorkerGroup(_WorkerGroupBase):
         )
         env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
                "LOCAL_WORLD_SIZE": str(count), **master}
+        if not self._use_gpu:  # a worker that reserved no GPU sees none (so it runs on CPU, gloo)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         worker = self._actor_cls.options(scheduling_strategy=strategy, **self._options).remote(
             env, *self._init.args, **self._init.kwargs
         )

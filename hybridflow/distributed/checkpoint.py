@@ -1,5 +1,8 @@
 """Sharded checkpoints of an FSDP2 module + optimizer (``torch.distributed.checkpoint``), plus per-rank state
-(lr scheduler, RNG). Every rank of the group calls these together; each writes only its own shards."""
+(lr scheduler, RNG). Every rank of the group calls these together; each writes only its own shards.
+
+The per-rank file holds only tensors, dicts, lists, tuples and primitive values, so it loads with
+``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code when it is loaded."""
 
 from __future__ import annotations
 
@@ -19,8 +22,12 @@ def _rank() -> int:
 
 
 def rng_state() -> dict[str, Any]:
-    """The RNG states of this process (python, numpy, torch CPU, and CUDA when present)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The RNG states of this process (python, numpy, torch CPU, and CUDA when present), in types that
+    ``torch.load(weights_only=True)`` accepts: numpy's MT19937 key (624 uint32) becomes an int64 tensor."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -29,7 +36,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -68,6 +76,6 @@ def load_sharded(path: str, module: torch.nn.Module, optimizer: Optional[torch.o
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(extra_path, weights_only=False)
+    extra = torch.load(extra_path, weights_only=True)
     set_rng_state(extra.pop("rng"))
     return extra

@@ -1,9 +1,18 @@
-"""Process-group and device-mesh set-up: gloo on CPU, NCCL on GPU, from the env the worker group sets."""
+"""Process-group and device-mesh set-up: gloo on CPU, NCCL on GPU, from the env the worker group sets.
+
+Rendezvous binds to one address, never to all interfaces: rank 0's ``TCPStore`` listens on ``MASTER_ADDR`` (the
+node IP Ray reports: 127.0.0.1 on a local cluster the driver starts, the node's own IP on a multi-node cluster),
+through a socket bound here and handed to the store (``master_listen_fd``), because torch's own store server
+listens on every interface. On a loopback ``MASTER_ADDR`` the gloo/NCCL transports are pinned to the loopback
+interface too (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless already set).
+"""
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -32,19 +41,71 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     return _DTYPES[name]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP) resolves to a loopback address; False when it does not resolve."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _loopback_interface() -> str:
+    """Name of the network interface that holds 127.0.0.1 (``lo`` on Linux)."""
+    try:
+        import psutil
+    except ImportError:
+        return "lo"
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
+
+
+def pin_transport_to(host: str) -> None:
+    """On a loopback ``host``, make gloo and NCCL open their sockets on the loopback interface (they otherwise
+    use the address the host name resolves to, or any interface); explicit settings are kept."""
+    if is_loopback(host):
+        interface = _loopback_interface()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+
+
+def rendezvous_store(host: str, port: int, world_size: int | None, is_master: bool,
+                     timeout: datetime.timedelta) -> dist.TCPStore:
+    """A ``TCPStore`` at ``host:port``. The master's server listens on ``host`` only (a socket bound here and
+    handed over); ``port=0`` lets the OS pick (read it from ``store.port``). Clients connect to ``host:port``.
+
+    Raises:
+        OSError: the master cannot bind ``host:port`` (taken, or ``host`` is not an address of this node).
+    """
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=socket.SOMAXCONN)
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join the worker group's default process group (idempotent).
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK on GPU) from the environment, which
     :class:`hybridflow.controller.RayWorkerGroup` sets. Backend: NCCL when a GPU is visible, gloo otherwise.
-    A collective that waits longer than ``timeout_s`` seconds raises instead of hanging.
+    Rank 0 hosts the rendezvous store on ``MASTER_ADDR`` only (see the module docstring). A collective that
+    waits longer than ``timeout_s`` seconds raises instead of hanging.
     """
     if dist.is_initialized():
         return
     backend = "nccl" if get_device_name() == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pin_transport_to(host)
+    store = rendezvous_store(host, port, world_size, rank == 0, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def build_mesh(dp: int, tp: int = 1) -> DeviceMesh:

@@ -21,6 +21,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from hybridflow.distributed.init import pin_transport_to, rendezvous_store
+
 __all__ = ["TensorLayout", "WeightTransferGroup", "bucket_layout", "layout_of", "open_store"]
 
 #: ``(name, shape, dtype name)`` of one tensor, e.g. ``("lm_head.weight", (V, H), "float32")``
@@ -59,9 +61,10 @@ def bucket_layout(layout: Sequence[TensorLayout], bucket_bytes: int) -> list[lis
 
 
 def open_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """Host the transfer group's rendezvous store on ``host`` at a port the OS picks (``store.port``)."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    """Host the transfer group's rendezvous store on ``host`` (only: not on all interfaces) at a port the OS
+    picks (``store.port``)."""
+    pin_transport_to(host)
+    return rendezvous_store(host, 0, None, True, datetime.timedelta(seconds=timeout_s))
 
 
 class WeightTransferGroup:
@@ -85,7 +88,8 @@ class WeightTransferGroup:
             raise ValueError(f"transfer-group rank {rank} is not in [0, {world_size})")
         timeout = datetime.timedelta(seconds=timeout_s)
         if store is None:
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+            pin_transport_to(host)
+            store = rendezvous_store(host, port, None, False, timeout)
         self.rank, self.world_size, self.device = rank, world_size, device
         store = dist.PrefixStore("hybridflow_weight_sync", store)
         if device == "cuda":  # untested here (no GPU); the timeout as for gloo

@@ -27,12 +27,13 @@ def _actor_dir(checkpoint_dir: str) -> str:
 
 
 def load_actor_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
-    """The full (unsharded) actor weights of a checkpoint, by HF parameter name."""
+    """The full (unsharded) actor weights of a checkpoint, by HF parameter name (read with
+    ``weights_only=True``: tensors and plain containers only, no code runs)."""
     actor = _actor_dir(checkpoint_dir)
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, "full.pt")
         dcp_to_torch_save(actor, target)
-        return torch.load(target, weights_only=False)["model"]
+        return torch.load(target, weights_only=True)["model"]
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str) -> str:

@@ -9,12 +9,17 @@ argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import importlib
+import importlib.util
+import os
 from typing import Any, Callable
 
 from hybridflow.errors import DataError
 from hybridflow.rewards import gsm8k, math
 
 RewardFn = Callable[[str, str, Any], float]
+# verl's custom reward function: fn(data_source, solution_str, ground_truth, extra_info=None) -> float
+ComputeScoreFn = Callable[[str, str, str, Any], float]
 REWARD_REGISTRY: dict[str, RewardFn] = {}
 MATH_DATA_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
 
@@ -80,6 +85,49 @@ def check_data_sources(rows: Sequence[Mapping[str, Any]]) -> None:
             except ValueError as exc:
                 raise DataError(str(exc), row=i) from None
             checked.add(source)
+def split_compute_score(spec: str) -> tuple[str, str, bool]:
+    """``"target:name"`` -> ``(target, name, target is a file path)``; ``name`` defaults to ``compute_score``."""
+    target, colon, name = spec.rpartition(":")
+    if not colon:
+        target, name = spec, ""
+    return target, name or "compute_score", target.endswith(".py") or os.sep in target
+
+
+def load_compute_score(spec: str) -> ComputeScoreFn:
+    """The scoring function named by ``reward_model.compute_score``.
+
+    ``default`` is :func:`default_compute_score` (the reward registered for each row's ``data_source``). Anything
+    else names a user function with verl's custom-reward signature ``fn(data_source, solution_str, ground_truth,
+    extra_info=None) -> float``: ``path/to/file.py:name`` (the file is imported by path, like verl's
+    ``custom_reward_function.path`` / ``.name``) or ``package.module:name`` (importable on every node); without
+    ``:name`` the function is ``compute_score``.
+
+    Raises:
+        ValueError: the file or module cannot be imported, or it has no callable of that name.
+    """
+    if spec == "default":
+        return default_compute_score
+    target, name, is_file = split_compute_score(spec)
+    where = f"reward_model.compute_score={spec!r}"
+    if is_file:
+        if not os.path.isfile(target):
+            raise ValueError(f"{where}: no such file {target!r} (expected path/to/file.py:function)")
+        module_spec = importlib.util.spec_from_file_location(f"hybridflow_user_reward_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ValueError(f"{where}: importing {target} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ValueError(f"{where}: cannot import module {target!r}: {exc} (expected package.module:function "
+                             "or path/to/file.py:function)") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where}: {target} has no function {name!r}")
+    return fn
 
 
 @register_reward("openai/gsm8k", "hybridflow/arith")
@@ -93,4 +141,5 @@ def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) ->
 
 
 __all__ = ["REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
-           "register_reward", "gsm8k", "math"]
+           "load_compute_score", "register_reward",
+           "gsm8k", "math"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import get_reward_fn
+from hybridflow.rewards import ComputeScoreFn, get_reward_fn
 
 __all__ = ["decode_responses", "score_batch"]
 
@@ -26,8 +26,10 @@ def decode_responses(tokenizer: Any, data: DataProto) -> list[str]:
 
 
 def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] = None,
-                error_score: Optional[float] = None, return_errors: bool = False):
-    """Per-row scores of a rollout batch by the reward registered for each row's ``data_source``.
+                error_score: Optional[float] = None, return_errors: bool = False,
+                compute_score: Optional[ComputeScoreFn] = None):
+    """Per-row scores of a rollout batch by the reward registered for each row's ``data_source``, or by a user
+    ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (``reward_model.compute_score``).
 
     Args:
         tokenizer: the policy's tokenizer (used only when ``texts`` is None).
@@ -37,13 +39,16 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
         texts: the already decoded responses (from :func:`decode_responses`), to avoid decoding twice.
         error_score: the score of a row whose scoring function raises; None (default) re-raises instead.
         return_errors: also return N bools marking the rows that got ``error_score``.
+        compute_score: a user scoring function (see :func:`hybridflow.rewards.load_compute_score`) that replaces
+            the registry lookup for every row; None (default) uses the registry.
 
     Returns:
         N floats in row order (and the N error flags with ``return_errors``).
 
     Raises:
         KeyError: a required column is missing.
-        ValueError: ``len(texts) != N``, or a row's ``data_source`` has no registered reward.
+        ValueError: ``len(texts) != N``, or (without ``compute_score``) a row's ``data_source`` has no registered
+            reward.
         RuntimeError: a scoring function raised and ``error_score`` is None; the message names the row
             (its ``index`` column when present), its data_source and the start of the response.
     """
@@ -58,9 +63,14 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
     extra = nt.get("extra_info")
     scores, errors = [], []
     for i, text in enumerate(texts):
-        fn = get_reward_fn(nt["data_source"][i])  # an unknown data_source is a data error, never scored
+        source, truth, info = nt["data_source"][i], nt["ground_truth"][i], None if extra is None else extra[i]
+        if compute_score is None:
+            reward = get_reward_fn(source)  # an unknown data_source is a data error, never scored
         try:
-            scores.append(float(fn(text, nt["ground_truth"][i], None if extra is None else extra[i])))
+            if compute_score is None:
+                scores.append(float(reward(text, truth, info)))
+            else:
+                scores.append(float(compute_score(source, text, truth, info)))
             errors.append(False)
         except Exception as err:
             if error_score is None:

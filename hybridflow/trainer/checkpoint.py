@@ -113,5 +113,6 @@ class CheckpointManager:
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:
-    """The driver state saved with checkpoint ``path``."""
-    return torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+    """The driver state saved with checkpoint ``path`` (plain dicts, lists and numbers: it loads with
+    ``weights_only=True``, so a checkpoint from someone else cannot run code)."""
+    return torch.load(os.path.join(path, STATE_FILE), weights_only=True)

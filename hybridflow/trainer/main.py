@@ -45,6 +45,7 @@ def run_ppo(config) -> dict:
     """
     import ray
 
+    _log_run_dir(config.trainer.default_local_dir)
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     total = total_training_steps(config, steps_per_epoch)
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
@@ -65,6 +66,16 @@ def run_ppo(config) -> dict:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _log_run_dir(run_dir: str) -> None:
+    """Say where the outputs go (the absolute path resolved at load), and warn when that is inside the temporary
+    copy of the working directory that ``ray job submit --working-dir`` gives the driver (deleted with the job)."""
+    logger.info("run directory (metrics, config, checkpoints): %s", run_dir)
+    if f"{os.sep}runtime_resources{os.sep}" in run_dir and "working_dir_files" in run_dir:
+        logger.warning("the run directory is inside Ray's temporary copy of the job's working directory and will "
+                       "be lost: set trainer.default_local_dir to an absolute path on storage that outlives the "
+                       "job (a shared filesystem on a multi-node cluster)")
 
 
 def _train(config, groups, train_batches, val_data, total: int, start: int) -> dict:

@@ -17,6 +17,7 @@ from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
 from hybridflow.errors import DataError
+from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.utils.progress import Progress
@@ -30,9 +31,10 @@ from hybridflow.workers.rm_worker import RewardModelWorker
 logger = logging.getLogger(__name__)
 
 def init_ray(config) -> bool:
-    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set, else start a local cluster (with
-    ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all resource pools + 1)) whose
-    dashboard (if any) binds to 127.0.0.1. Returns True when this call started the cluster."""
+    """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set (the cluster's own node IPs are used),
+    else start a local cluster (with ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all
+    resource pools + 1)) whose processes listen on ``trainer.ray_init.node_ip_address`` only (127.0.0.1 by
+    default, no dashboard). Returns True when this call started the cluster."""
     import ray
 
     if ray.is_initialized():
@@ -44,14 +46,14 @@ def init_ray(config) -> bool:
     pools = config.resource_pool.pools
     ranks = sum(sum(nodes) for nodes in pools.values()) if pools else config.trainer.n_gpus_per_node * config.trainer.nnodes
     num_cpus = config.trainer.ray_init.num_cpus or max(os.cpu_count() or 1, ranks + 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host="127.0.0.1", log_to_driver=True)
+    _start_local_ray(num_cpus, config.trainer.ray_init.node_ip_address)
     return True
 
 
 def load_split(config, tokenizer, split: str) -> RLHFDataset:
     """The ``train`` or ``val`` prompts: ``data.<split>_files`` (or the built-in task's split when unset),
     tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
-    not used: ``reward_model.enable`` with ``combine=model``).
+    not used, ``reward_model.enable`` with ``combine=model``, or is a user's ``reward_model.compute_score``).
 
     Raises:
         DataError: a file lacks a column or has no rows, a row is malformed or over-long (``truncation=error``),
@@ -73,7 +75,8 @@ def load_split(config, tokenizer, split: str) -> RLHFDataset:
                                      data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
         dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation)
-        if not (config.reward_model.enable and config.reward_model.combine == "model"):
+        rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")
+        if rule_reward_used and config.reward_model.compute_score == "default":
             check_data_sources(rows)
     except DataError as exc:
         raise DataError(f"{key}: {_where(sizes, exc)}") from None
@@ -90,6 +93,33 @@ def _where(sizes: list[tuple[str, int]], exc: DataError) -> str:
             return f"{path} row {row}: {exc.reason}"
         row -= count
     return str(exc)
+def _start_local_ray(num_cpus: int, host: str) -> None:
+    """``ray.init`` of a local cluster whose processes (GCS, raylet, agents, workers, the driver's own server)
+    listen on ``host``; the workers' torch.distributed rendezvous then binds it too (``MASTER_ADDR`` is the node
+    IP Ray reports).
+
+    On Linux Ray replaces a loopback node IP by the machine's outward IP (its multi-machine mode), so for a
+    loopback ``host`` Ray's single-machine mode (the one it uses on macOS/Windows: ``ENABLE_RAY_CLUSTER`` false,
+    env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) is switched on for the duration of ``ray.init`` only; the
+    started processes take the node IP from their command line.
+    """
+    import ray
+    from ray._private import ray_constants
+
+    single_machine = is_loopback(host)
+    if single_machine and not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):
+        logger.warning("this Ray version (%s) has no single-machine mode: its processes may listen on all "
+                       "interfaces", ray.__version__)
+        single_machine = False
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    if single_machine:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host=host, _node_ip_address=host,
+                 log_to_driver=True)
+    finally:
+        if single_machine:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
@@ -186,20 +216,38 @@ def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
     return {k: list(v) for k, v in pools.items()}, mapping
 
 
+def _use_gpu(device: str) -> bool | None:
+    """``trainer.device`` -> the pools' ``use_gpu``: auto -> None (GPUs iff the Ray cluster has them), cpu -> False
+    (the workers reserve and see no GPU), cuda -> True.
+
+    Raises:
+        ValueError: ``cuda`` on a Ray cluster without GPUs.
+    """
+    import ray
+
+    if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+        raise ValueError("trainer.device=cuda, but the Ray cluster has no GPUs (use trainer.device=auto or cpu, "
+                         "or a cluster with GPUs)")
+    return {"auto": None, "cpu": False, "cuda": True}[device]
+
+
 @contextmanager
 def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
     """Spawn the groups of :func:`worker_roles` on their resource pools (each group has as many ranks as its
-    pool; groups on one pool share its devices and take turns), run every group's ``init_model`` concurrently,
+    pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's
+    ``init_model`` concurrently,
     and yield ``{role: group}``. On exit (also on error) the pools are removed, which ends their actors, so a
     long-lived Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
+    use_gpu = _use_gpu(config.trainer.device)
     roles = worker_roles(config)
     sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
     pools: dict[str, ResourcePool] = {}
     try:
         for name, nodes in pools_spec.items():
             if sharing[name]:
-                pools[name] = ResourcePool(nodes, max_colocate_count=max(1, sharing[name]), name_prefix=name)
+                pools[name] = ResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=max(1, sharing[name]),
+                                           name_prefix=name)
         start = time.monotonic()
         logger.info("starting worker groups: %s", ", ".join(
             f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
-from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
+from hybridflow.distributed import (apply_fsdp2, build_mesh, init_distributed, offload_module, offload_optimizer,
+                                    onload_module, onload_optimizer, resolve_dtype)
 from hybridflow.models.hf import load_value_model
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
@@ -18,6 +22,10 @@ from hybridflow.workers.ppo_critic import PPOCritic
 class CriticWorker(Worker):
     """Args:
         config: the full run config (reads ``critic``, ``actor_rollout_ref`` for defaults, ``trainer``).
+
+    With ``critic.fsdp_config.param_offload`` / ``optimizer_offload`` the parameters (and grads) / the AdamW state
+    live in host memory between the critic's calls and come to the device only for a call that needs them
+    (verl's critic offload); on CPU both are no-ops.
     """
 
     def __init__(self, config) -> None:
@@ -44,12 +52,36 @@ class CriticWorker(Worker):
         optimizer = build_optimizer(module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_training_steps)
         self.critic = PPOCritic(module, optimizer, cfg, self.config.trainer.nonfinite_grad)
+        self._device = device
+        self._offload()
+
+    def _offload(self) -> None:
+        fsdp = self.config.critic.fsdp_config
+        if fsdp.param_offload:
+            offload_module(self.critic.module)
+        if fsdp.optimizer_offload:
+            offload_optimizer(self.critic.optimizer)
+
+    @contextmanager
+    def _on_device(self, optimizer: bool) -> Iterator[None]:
+        """Onload what ``critic.fsdp_config`` offloads (the optimizer state only when ``optimizer``) for one call,
+        and offload it again afterwards (also after an error)."""
+        fsdp = self.config.critic.fsdp_config
+        if fsdp.param_offload:
+            onload_module(self.critic.module, self._device)
+        if optimizer and fsdp.optimizer_offload:
+            onload_optimizer(self.critic.optimizer, self._device)
+        try:
+            yield
+        finally:
+            self._offload()
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
     @report_time
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
-        values = self.critic.compute_values(data, self.config.critic.forward_micro_batch_size_per_gpu)
+        with self._on_device(optimizer=False):
+            values = self.critic.compute_values(data, self.config.critic.forward_micro_batch_size_per_gpu)
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
@@ -59,7 +91,8 @@ class CriticWorker(Worker):
         cfg = self.config.critic
         mini = cfg.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n // self.world_size
         step = int(data.meta_info.get("global_step", 0))
-        metrics = self.critic.update_critic(data, mini, seed=self.config.trainer.seed + step)
+        with self._on_device(optimizer=True):
+            metrics = self.critic.update_critic(data, mini, seed=self.config.trainer.seed + step)
         metrics["critic/lr"] = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         return DataProto(meta_info={"metrics": metrics})
@@ -67,13 +100,15 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's shards of the critic weights and optimizer, its lr-scheduler and RNG state."""
-        save_sharded(path, self.critic.module, self.critic.optimizer,
-                     {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.critic.skipped_steps})
+        with self._on_device(optimizer=True):
+            save_sharded(path, self.critic.module, self.critic.optimizer,
+                         {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.critic.skipped_steps})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same number of ranks)."""
-        extra = load_sharded(path, self.critic.module, self.critic.optimizer)
+        with self._on_device(optimizer=True):
+            extra = load_sharded(path, self.critic.module, self.critic.optimizer)
         self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self.critic.skipped_steps = extra["skipped_steps"]
 

@@ -12,6 +12,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
+from hybridflow.rewards import load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rewards.cost import get_cost_fn
 
@@ -27,8 +28,9 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 
 
 class RuleRewardWorker(Worker):
-    """Scores responses with :func:`hybridflow.rewards.default_compute_score` (by ``data_source``), and with the
-    rule cost ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF."""
+    """Scores responses with ``reward_model.compute_score``: :func:`hybridflow.rewards.default_compute_score` (by
+    ``data_source``) or a user function (:func:`hybridflow.rewards.load_compute_score`), and with the rule cost
+    ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -38,6 +40,8 @@ class RuleRewardWorker(Worker):
     def init_model(self) -> None:
         model = self.config.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
+        spec = self.config.reward_model.compute_score
+        self.compute_score = None if spec == "default" else load_compute_score(spec)  # None: the registry
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @report_time
@@ -48,7 +52,7 @@ class RuleRewardWorker(Worker):
         A scoring function that raises stops the run with an error naming the sample, unless
         ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample."""
         scores, errors = score_batch(self.tokenizer, data, error_score=self.config.reward_model.error_score,
-                                     return_errors=True)
+                                     return_errors=True, compute_score=self.compute_score)
         mask = data.batch["response_mask"]
         return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
                                             "reward_error": torch.tensor(errors, dtype=torch.bool)})

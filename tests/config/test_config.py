@@ -32,11 +32,27 @@ def test_every_shipped_recipe_validates(recipe):
     assert OmegaConf.is_readonly(cfg)
 
 
-def test_defaults_and_interpolation():
+def test_defaults_and_interpolation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     cfg = load_config()
-    assert cfg.trainer.default_local_dir == "outputs/hybridflow/run"
+    assert cfg.trainer.default_local_dir == str(tmp_path / "outputs" / "hybridflow" / "run")
     cfg = load_config(None, ["trainer.project_name=p", "trainer.experiment_name=e"])
-    assert cfg.trainer.default_local_dir == "outputs/p/e"
+    assert cfg.trainer.default_local_dir == str(tmp_path / "outputs" / "p" / "e")
+
+
+def test_run_directory_is_made_absolute_against_the_cwd_at_load(tmp_path, monkeypatch):
+    """A relative run directory (and checkpoint path) is resolved once, at load, against the working directory
+    of that moment; an absolute one is kept; later cwd changes (a worker elsewhere) do not move it."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("quickstart", ["trainer.default_local_dir=runs/a", "trainer.resume_mode=runs/a/global_step_2"])
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert cfg.trainer.default_local_dir == str(tmp_path / "runs" / "a")
+    assert cfg.trainer.resume_mode == str(tmp_path / "runs" / "a" / "global_step_2")
+    assert load_config("quickstart").trainer.default_local_dir == str(other / "outputs" / "quickstart")
+    cfg = load_config("quickstart", [f"trainer.default_local_dir={other}", "trainer.resume_mode=disable"])
+    assert (cfg.trainer.default_local_dir, cfg.trainer.resume_mode) == (str(other), "disable")
 
 
 def test_bare_name_and_path_give_the_same_config():
@@ -55,16 +71,16 @@ def test_overrides_apply_after_the_recipe_in_order(tmp_path):
     assert cfg.data.max_prompt_length == 64  # untouched schema default
 
 
-def test_result_is_read_only_struct_and_saves_as_plain_dict():
+def test_result_is_read_only_struct_and_saves_as_plain_dict(tmp_path):
     cfg = load_config("quickstart", ["trainer.project_name=p", "trainer.experiment_name=e",
-                                     "trainer.default_local_dir=out/${trainer.project_name}"])
+                                     f"trainer.default_local_dir={tmp_path}/out/${{trainer.project_name}}"])
     with pytest.raises(OmegaConfBaseException):
         cfg.data.train_batch_size = 8
     with pytest.raises(OmegaConfBaseException):
         cfg.data.new_key = 1
     saved = config_to_dict(cfg)
     assert type(saved) is dict and type(saved["data"]) is dict
-    assert saved["trainer"]["default_local_dir"] == "out/p"
+    assert saved["trainer"]["default_local_dir"] == f"{tmp_path}/out/p"
 
 
 def test_unknown_key_names_path_and_nearest_sibling():

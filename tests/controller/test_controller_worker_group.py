@@ -96,7 +96,7 @@ class EchoWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def env(self):
-        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
         return {k: os.environ.get(k) for k in keys} | {"rank": self.rank, "world_size": self.world_size}
 
     @register(Dispatch.ALL_TO_ALL)
@@ -262,6 +262,7 @@ def test_env_vars_and_gloo_all_reduce(echo):
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
     assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == ray.util.get_node_ip_address()
     assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and 0 < int(envs[0]["MASTER_PORT"]) < 65536
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["", ""]  # a pool without GPUs: its workers see none
     # sum over ranks of 2 * (rank + 1) = 2 * (1 + 2) = 6
     assert echo.allreduce(2.0) == [(0, 2, 6.0), (1, 2, 6.0)]
 

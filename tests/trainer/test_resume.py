@@ -17,7 +17,7 @@ COMMON = [
     "data.builtin_train_size=16", "data.train_batch_size=8", "data.builtin_val_size=8", "data.shuffle=true",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.shuffle=true",
-    "actor_rollout_ref.model.path=/tmp/tiny", "trainer.test_freq=2", "trainer.save_freq=1", "trainer.logger=[jsonl]", "algorithm.kl_ctrl.type=adaptive",
+    "trainer.test_freq=2", "trainer.save_freq=1", "trainer.logger=[jsonl]", "algorithm.kl_ctrl.type=adaptive",
 ]
 VOLATILE = ("timing", "perf/throughput")
 
