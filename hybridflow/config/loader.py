@@ -448,6 +448,9 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:
         problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
+    lam_min = get(f"{lam}.lambda_min")
+    if not 0 <= lam_min <= lam_init:
+        problems.append(f"{lam}.lambda_min ({lam_min}) must be in [0, {lam}.lambda_init ({lam_init})] (0: no floor)")
     return problems
 
 

@@ -9,7 +9,15 @@ Layout under ``trainer.default_local_dir``::
 
 A checkpoint is written into ``.tmp_global_step_<N>`` and renamed when every part is on disk, and only then is
 the pointer replaced (write + ``os.replace``). A crash part-way through a save therefore leaves the previous
-checkpoint and the pointer untouched; the leftover ``.tmp_*`` directory is removed by the next save.
+checkpoint and the pointer untouched; the leftover ``.tmp_*`` directory is removed by the next save. A checkpoint
+of the same step already on disk (from a run restarted with ``resume_mode=disable`` or from an earlier checkpoint) is
+moved aside to ``.tmp_replaced_global_step_<N>`` and deleted only once the new one is in place (the next save puts
+it back if a crash came in between).
+
+Retention (``max_to_keep``) runs only after the new checkpoint and the pointer are complete, and it never removes
+the checkpoint just written: it keeps that one and the ``max_to_keep - 1`` highest steps below it. Checkpoints of a
+higher step (left by a run restarted from an earlier point) are removed then too. It looks at the directory, not at
+what this process saved, so it also prunes what earlier (resumed) runs left.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ logger = logging.getLogger(__name__)
 POINTER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
 PREFIX = "global_step_"
+REPLACED = ".tmp_replaced_"  # prefix of a checkpoint being replaced by a new one of the same step
 
 
 class CheckpointManager:
@@ -42,26 +51,45 @@ class CheckpointManager:
         """Write checkpoint ``step``: ``writers[name](dir)`` writes part ``name`` (e.g. a worker group's
         ``save_checkpoint``) into ``<ckpt>/<name>``; then the driver's ``trainer_state``. Returns the path."""
         os.makedirs(self.root, exist_ok=True)
-        for leftover in os.listdir(self.root):
-            if leftover.startswith(".tmp_"):
-                shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
+        self._clean_leftovers()
         final = os.path.join(self.root, f"{PREFIX}{step}")
         tmp = os.path.join(self.root, f".tmp_{PREFIX}{step}")
         for name, write in writers.items():
             write(os.path.join(tmp, name))
         torch.save(trainer_state, os.path.join(tmp, STATE_FILE))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replaced = os.path.join(self.root, f"{REPLACED}{PREFIX}{step}")
+        if os.path.exists(final):  # an older run's checkpoint of this step: keep it until the new one is in place
+            os.replace(final, replaced)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if os.path.exists(replaced):
+                os.replace(replaced, final)
+            raise
         pointer_tmp = os.path.join(self.root, POINTER + ".tmp")
         with open(pointer_tmp, "w") as f:
             f.write(str(step))
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer_tmp, os.path.join(self.root, POINTER))
-        self._prune()
+        shutil.rmtree(replaced, ignore_errors=True)
+        self._prune(step)
         logger.info("saved checkpoint %s", final)
         return final
+
+    def _clean_leftovers(self) -> None:
+        """Remove what an interrupted save left: its ``.tmp_*`` directory, and a replaced checkpoint whose
+        replacement is complete (one whose replacement never landed is put back)."""
+        for leftover in os.listdir(self.root):
+            path = os.path.join(self.root, leftover)
+            if leftover.startswith(REPLACED):
+                final = os.path.join(self.root, leftover[len(REPLACED):])
+                if not os.path.exists(os.path.join(final, STATE_FILE)):
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.replace(path, final)
+                    continue
+            if leftover.startswith(".tmp_"):
+                shutil.rmtree(path, ignore_errors=True)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending."""
@@ -105,10 +133,13 @@ class CheckpointManager:
             )
         return resume_mode
 
-    def _prune(self) -> None:
+    def _prune(self, saved: int) -> None:
+        """Keep checkpoint ``saved`` (just written) and the ``max_to_keep - 1`` highest steps below it."""
         if not self.max_to_keep:
             return
-        for step in self.steps()[: -self.max_to_keep]:
+        older = [s for s in self.steps() if s < saved]
+        doomed = older[: max(0, len(older) - (self.max_to_keep - 1))] + [s for s in self.steps() if s > saved]
+        for step in doomed:
             shutil.rmtree(os.path.join(self.root, f"{PREFIX}{step}"), ignore_errors=True)
 
 

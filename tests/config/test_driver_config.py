@@ -124,3 +124,12 @@ def test_gspo_with_tis_is_a_correction_and_without_is_not():
 def test_shipped_async_recipe_is_corrected():
     cfg = load_config("async_grpo_quickstart")
     assert cfg.async_training.max_staleness >= 1 and cfg.actor_rollout_ref.actor.policy_loss == "aipo"
+
+
+def test_lagrangian_lambda_min_is_a_floor_below_lambda_init():
+    assert load_config("safe_rlhf_quickstart").algorithm.lagrangian.lambda_min == 0.01  # the schema default
+    problems = _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_min=2.0")
+    assert problems == ["algorithm.lagrangian.lambda_min (2.0) must be in [0, algorithm.lagrangian.lambda_init "
+                        "(1.0)] (0: no floor)"]
+    assert _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_min=-1")[0].startswith(
+        "algorithm.lagrangian.lambda_min (-1.0)")
