@@ -2,7 +2,8 @@
 
 Subcommands live in ``COMMANDS`` (name -> help, argument setup, handler); a handler takes the parsed arguments
 and returns the exit status. A config problem prints the ``ConfigError`` message to stderr and exits with 2,
-before anything heavy (Ray, models) starts.
+before anything heavy (Ray, models) starts; so does a config that cannot resume the checkpoint in the run
+directory (``IncompatibleCheckpointError``, found before Ray starts).
 """
 
 from __future__ import annotations
@@ -48,10 +49,14 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
+    from hybridflow.trainer.checkpoint import IncompatibleCheckpointError
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
     try:
         run_ppo(cfg)
+    except IncompatibleCheckpointError as exc:  # the run directory holds another config's checkpoint
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except (FileNotFoundError, NotADirectoryError, FileExistsError) as exc:  # bad paths: no traceback needed
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ Layout under ``trainer.default_local_dir``::
     global_step_<N>/actor/      sharded actor weights + optimizer (one set of files per rank), lr schedule, RNG
     global_step_<N>/critic/     the same for the critic (when trained)
     global_step_<N>/trainer_state.pt   step counter, KL controller (and other driver state)
+    global_step_<N>/config.yaml        the run's resolved config (checked against the config that resumes it)
     latest_checkpointed_iteration.txt  N of the newest complete checkpoint
 
 A checkpoint is written into ``.tmp_global_step_<N>`` and renamed when every part is on disk, and only then is
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 POINTER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"  # the resolved config, one per checkpoint
 PREFIX = "global_step_"
 REPLACED = ".tmp_replaced_"  # prefix of a checkpoint being replaced by a new one of the same step
 
@@ -141,6 +143,74 @@ class CheckpointManager:
         doomed = older[: max(0, len(older) - (self.max_to_keep - 1))] + [s for s in self.steps() if s > saved]
         for step in doomed:
             shutil.rmtree(os.path.join(self.root, f"{PREFIX}{step}"), ignore_errors=True)
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint written with a config that the resuming run's config cannot continue (see ``RESUME_KEYS``)."""
+
+
+# What a resume cannot change: the algorithm (driver, estimator: which parts a checkpoint has and what they mean),
+# the models whose weights it holds, and the layout its shards were written in (ranks per checkpointed group and
+# training tensor parallelism: per-rank shards, RNG and lr-schedule files are loaded rank by rank). Everything else
+# (learning rates, batch sizes, KL and loss settings, total steps, logging, ...) may change on resume.
+RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "actor_rollout_ref.model.path",
+               "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size")
+_CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")  # worker groups whose shards a checkpoint holds
+
+
+def save_config(config, path: str) -> None:
+    """Write the resolved ``config`` to ``path`` (YAML): a checkpoint part (``<ckpt>/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(config, path, resolve=True)
+
+
+def resume_signature(config) -> dict[str, Any]:
+    """The values of ``RESUME_KEYS`` in ``config`` (a loaded config or one read back from a checkpoint) plus the
+    number of ranks of each checkpointed group (``ranks of <role>``, from ``resource_pool`` or
+    ``trainer.n_gpus_per_node x trainer.nnodes``; None for a group the run does not train). ``critic.enable`` is
+    resolved (whether a critic is trained) and ``critic.model.path`` is the path the critic loads ("" = actor's)."""
+    from omegaconf import OmegaConf
+
+    from hybridflow.config import need_critic
+    from hybridflow.trainer.setup import resource_pool_spec
+
+    sig = {key: OmegaConf.select(config, key) for key in RESUME_KEYS}
+    critic = need_critic(config)
+    sig["critic.enable"] = critic
+    sig["critic.model.path"] = (sig["critic.model.path"] or sig["actor_rollout_ref.model.path"]) if critic else None
+    pools, mapping = resource_pool_spec(config)
+    trained = {"actor": True, "critic": critic, "cost_critic": config.algorithm.driver == "safe_rlhf"}
+    for role in _CHECKPOINTED_ROLES:
+        sig[f"ranks of {role}"] = sum(pools[mapping[role]]) if trained[role] else None
+    return sig
+
+
+def check_resume_config(config, path: str) -> None:
+    """Raise when checkpoint ``path`` was written with a config that ``config`` cannot resume (differing
+    :func:`resume_signature`). A checkpoint without ``config.yaml`` (written before checkpoints carried it) is
+    resumed with a warning.
+
+    Raises:
+        IncompatibleCheckpointError: naming every differing key with the checkpoint's and this run's value.
+    """
+    from omegaconf import OmegaConf
+
+    saved_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(saved_path):
+        logger.warning("checkpoint %s has no %s: cannot check that this config can resume it", path, CONFIG_FILE)
+        return
+    saved, now = resume_signature(OmegaConf.load(saved_path)), resume_signature(config)
+    def show(value: Any) -> str:
+        return "none" if value is None else repr(value)
+
+    diffs = [f"{key}: {show(saved.get(key))} in the checkpoint, {show(now[key])} now"
+             for key in now if saved.get(key) != now[key]]
+    if diffs:
+        raise IncompatibleCheckpointError(
+            f"cannot resume {path} (trainer.resume_mode={config.trainer.resume_mode}): it was written with another "
+            f"config: {'; '.join(diffs)}. Train into another trainer.default_local_dir, or set "
+            "trainer.resume_mode=disable to start from scratch here (this directory's checkpoints get replaced)")
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:

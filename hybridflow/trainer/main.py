@@ -7,13 +7,13 @@ import logging
 import os
 
 from hybridflow.trainer.async_rl import AsyncTrainer
-from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
+from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.remax import ReMaxTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
 from hybridflow.trainer.scoring import build_cost, build_reward
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
-from hybridflow.utils.tracking import Tracking
+from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,7 @@ def run_ppo(config) -> dict:
 
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     total = total_training_steps(config, steps_per_epoch)
-    resume_from = CheckpointManager(config.trainer.default_local_dir).resolve(config.trainer.resume_mode)
-    if resume_from is not None and load_trainer_state(resume_from)["global_step"] >= total:
-        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from,
-                    load_trainer_state(resume_from)["global_step"], total, config.trainer.resume_mode)
+    if not _prepare_run_dir(config, total):
         return {}
     started_ray = init_ray(config)
     try:
@@ -48,6 +45,31 @@ def run_ppo(config) -> dict:
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _prepare_run_dir(config, total: int) -> bool:
+    """Before Ray starts: find the checkpoint to resume (``trainer.resume_mode``), check that this config can resume
+    it, and leave ``metrics.jsonl`` with one row per step: rows after the checkpoint's step are dropped on resume; a
+    fresh run moves a previous run's file aside (``metrics.<time>.jsonl``). Returns False when the checkpoint is
+    already at ``total`` steps (nothing to do; the directory is left as it is).
+
+    Raises:
+        IncompatibleCheckpointError: the checkpoint was written with an incompatible config (names the keys).
+        FileNotFoundError: ``resume_mode`` names a path that is not a complete checkpoint.
+    """
+    run_dir = config.trainer.default_local_dir
+    resume_from = CheckpointManager(run_dir).resolve(config.trainer.resume_mode)
+    if resume_from is None:
+        set_metrics_aside(run_dir)
+        return True
+    check_resume_config(config, resume_from)
+    step = load_trainer_state(resume_from)["global_step"]
+    if step >= total:
+        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from, step, total,
+                    config.trainer.resume_mode)
+        return False
+    trim_metrics(run_dir, step)
+    return True
 
 
 def _train(config, groups, train_batches, val_data, total) -> dict:
