@@ -4,6 +4,7 @@ checkpoint, and a resume with an incompatible config refused before Ray starts, 
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -116,18 +117,17 @@ def _steps(path):
 
 
 @pytest.mark.slow
-def test_two_runs_into_one_directory_and_a_resume_after_an_interrupt(tmp_path, ray_session):
+def test_two_runs_into_one_directory_then_a_resume_after_an_interrupt(tmp_path, ray_session):
     out = tmp_path / "run"
-    # twice without checkpoints: the second run starts a new file, the first run's rows are moved aside
+    # a first run without checkpoints, then a second run into the same directory (nothing to resume): it starts a
+    # new metrics.jsonl and the first run's rows are moved aside
     _run(out, 2)
-    _run(out, 2)
-    assert _steps(out / "metrics.jsonl") == [0, 1, 2]
+    _run(out, 3, "trainer.save_freq=2")  # checkpoints at 2 and (the last step) 3
+    assert _steps(out / "metrics.jsonl") == [0, 1, 2, 3] and CheckpointManager(str(out)).steps() == [2, 3]
     (aside,) = [p for p in out.iterdir() if p.name.startswith("metrics.") and p.name != "metrics.jsonl"]
     assert _steps(aside) == [0, 1, 2]
-    # 3 steps with a checkpoint every 2 (and at the end); then as if interrupted during step 4 of a longer run:
-    # rows 1..3 logged, the newest checkpoint at step 2
-    _run(out, 3, "trainer.save_freq=2")
-    assert _steps(out / "metrics.jsonl") == [0, 1, 2, 3] and CheckpointManager(str(out)).steps() == [2, 3]
+    # as if interrupted during step 4 of a longer run: rows 1..3 logged, the newest checkpoint at step 2
+    shutil.rmtree(out / "global_step_3")
     (out / POINTER).write_text("2")
     _run(out, 4, "trainer.save_freq=2")  # resumes at 2, logs 3 and 4 again
     assert _steps(out / "metrics.jsonl") == [0, 1, 2, 3, 4]
