@@ -6,6 +6,8 @@ before anything heavy (Ray, models) starts. ``train``: bad data (a :class:`~hybr
 column, an empty file, an over-long prompt, an unknown ``data_source``) or a bad path prints ``error: <message>``
 and exits with 1, before Ray starts; Ctrl-C prints one line (last complete step, latest checkpoint, the command
 that resumes) and exits with 130. Any other exception is a bug and keeps its traceback.
+before anything heavy (Ray, models) starts; so does a config that cannot resume the checkpoint in the run
+directory (``IncompatibleCheckpointError``, found before Ray starts).
 """
 
 from __future__ import annotations
@@ -57,11 +59,15 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
+    from hybridflow.trainer.checkpoint import IncompatibleCheckpointError
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
     try:
         with terminal_logging():
             run_ppo(cfg)
+    except IncompatibleCheckpointError as exc:  # the run directory holds another config's checkpoint
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     except USER_ERRORS as exc:  # bad data or paths: one line, no traceback; programming errors keep theirs
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
         print(f"error: {exc}", file=sys.stderr)

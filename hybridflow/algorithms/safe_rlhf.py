@@ -42,13 +42,19 @@ class LagrangeMultiplier:
       respect to ``log_lambda`` and what the reference code's SGD step on ``log_lambda`` computes.
       Steps shrink with ``lambda``, so a small ``lambda`` reacts slowly.
 
-    After the step ``log_lambda`` is clamped to ``<= log(max_lambda)`` when ``max_lambda`` is set.
+    After the step ``log_lambda`` is clamped to ``<= log(max_lambda)`` when ``max_lambda`` is set and to
+    ``>= log(min_lambda)`` when ``min_lambda > 0``. The floor is not in the paper (whose lambda only has to stay
+    >= 0): in log space a long run of steps below the threshold drives lambda towards 0 without bound (e.g. 5000
+    steps of violation -0.1 at lambda_lr 1 give exp(-500) ~ 1e-217), and it then takes as many steps above the
+    threshold to climb back. With the floor, climbing back to a given ``lambda`` takes at most
+    ``log(lambda / min_lambda) / (lambda_lr * violation)`` steps (default rule).
 
     Args:
         init_lambda: initial ``lambda``, > 0.
         lambda_lr: step size of the ascent on ``log_lambda``, >= 0 (units: 1 / cost).
         threshold: the cost limit ``d``; the constraint is ``mean cost <= threshold``.
         max_lambda: upper bound on ``lambda`` (>= ``init_lambda``), or None for none.
+        min_lambda: lower bound on ``lambda`` (``0 <= min_lambda <= init_lambda``); 0 means none.
         window: number of most recent episode costs averaged by :meth:`update`, >= 1.
         scale_by_lambda: use the paper's eq. 31 step (see above) instead of the default.
 
@@ -64,6 +70,7 @@ class LagrangeMultiplier:
         max_lambda: Optional[float] = None,
         window: int = 128,
         scale_by_lambda: bool = False,
+        min_lambda: float = 0.0,
     ) -> None:
         for name, value in (("init_lambda", init_lambda), ("lambda_lr", lambda_lr), ("threshold", threshold)):
             if not math.isfinite(value):
@@ -75,11 +82,14 @@ class LagrangeMultiplier:
             raise ValueError(f"LagrangeMultiplier: lambda_lr must be >= 0, got {lambda_lr}")
         if max_lambda is not None and not init_lambda <= max_lambda:
             raise ValueError(f"LagrangeMultiplier: max_lambda ({max_lambda}) must be >= init_lambda ({init_lambda})")
+        if not (math.isfinite(min_lambda) and 0.0 <= min_lambda <= init_lambda):
+            raise ValueError(f"LagrangeMultiplier: min_lambda must be in [0, init_lambda={init_lambda}], got {min_lambda}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"LagrangeMultiplier: window must be an int >= 1, got {window!r}")
         self.lambda_lr = float(lambda_lr)
         self.threshold = float(threshold)
         self.max_lambda = None if max_lambda is None else float(max_lambda)
+        self.min_lambda = float(min_lambda)
         self.scale_by_lambda = bool(scale_by_lambda)
         self.log_lambda = math.log(init_lambda)
         self._costs: deque[float] = deque(maxlen=window)
@@ -128,6 +138,8 @@ class LagrangeMultiplier:
         self.log_lambda += step
         if self.max_lambda is not None:
             self.log_lambda = min(self.log_lambda, math.log(self.max_lambda))
+        if self.min_lambda > 0:
+            self.log_lambda = max(self.log_lambda, math.log(self.min_lambda))
         return self.value
 
     def state_dict(self) -> dict[str, Any]:

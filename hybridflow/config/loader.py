@@ -488,6 +488,9 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:
         problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
+    lam_min = get(f"{lam}.lambda_min")
+    if not 0 <= lam_min <= lam_init:
+        problems.append(f"{lam}.lambda_min ({lam_min}) must be in [0, {lam}.lambda_init ({lam_init})] (0: no floor)")
     return problems
 
 
@@ -523,7 +526,26 @@ def _async_problems(get: Callable[[str], Any]) -> list[str]:
                         "each request in flight holds a generator thread")
     if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
         problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
-    return problems
+    return problems + _off_policy_problems(get)
+
+
+def _off_policy_problems(get: Callable[[str], Any]) -> list[str]:
+    """With ``max_staleness >= 1`` the async driver trains on samples of a policy mu up to k versions behind pi.
+    Recomputed old logprobs are pi_old (the trainer's current weights), so a PPO-clip loss without a correction
+    treats mu's samples as on-policy (a biased gradient; LlamaRL, arXiv 2505.24034). Accepted corrections:
+    AIPO (weights by min(pi/mu, rho)), truncated IS (weights by min(pi_old/mu, cap)), or mu as pi_old
+    (``bypass_old_log_prob``: the clipped ratio is then pi/mu)."""
+    actor = "actor_rollout_ref.actor"
+    k = get("async_training.max_staleness")
+    corrected = (get(f"{actor}.policy_loss") == "aipo" or (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0
+                 or get("algorithm.bypass_old_log_prob"))
+    if k < 1 or corrected:
+        return []
+    return [f"algorithm.driver=async with async_training.max_staleness={k} trains on samples up to {k} policy "
+            f"version(s) old, but {actor}.policy_loss={get(f'{actor}.policy_loss')} with recomputed old logprobs and "
+            f"no truncated IS treats them as on-policy: set {actor}.policy_loss=aipo, or "
+            f"{actor}.tis_imp_ratio_cap=<cap > 0> (e.g. 2.0), or algorithm.bypass_old_log_prob=true, "
+            "or async_training.max_staleness=0"]
 
 
 def _strategy_problems(strategy: str) -> list[str]:

@@ -140,6 +140,9 @@ class LagrangianConfig:
     lambda_init: float = 1.0  # initial lambda (> 0; kept as log lambda)
     lambda_lr: float = 0.1  # ascent step on log lambda per unit of constraint violation, per training step
     lambda_max: Optional[float] = None  # upper bound on lambda; None means unbounded
+    # lower bound on lambda (0 <= lambda_min <= lambda_init; 0: none): bounds the steps lambda needs to recover
+    # after a long stretch below the threshold (not in the paper; its lambda only stays >= 0)
+    lambda_min: float = 0.01
     episode_cost_window_size: int = 128  # the latest N episode costs are averaged for the update
 
 

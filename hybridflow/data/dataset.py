@@ -187,7 +187,7 @@ class RLHFDataset(Dataset):
         for i, (ids, bos, record) in enumerate(zip(encoded, add_bos, records)):
             ids = ([bos_id] if bos and bos_id is not None else []) + list(ids)
             if not ids:
-                raise DataError(f"prompt has no tokens", row=i)
+                raise DataError("prompt has no tokens", row=i)
             if len(ids) > max_prompt_length:
                 if truncation == "error":
                     raise DataError(

@@ -5,11 +5,20 @@ Layout under ``trainer.default_local_dir``::
     global_step_<N>/actor/      sharded actor weights + optimizer (one set of files per rank), lr schedule, RNG
     global_step_<N>/critic/     the same for the critic (when trained)
     global_step_<N>/trainer_state.pt   step counter, KL controller (and other driver state)
+    global_step_<N>/config.yaml        the run's resolved config (checked against the config that resumes it)
     latest_checkpointed_iteration.txt  N of the newest complete checkpoint
 
 A checkpoint is written into ``.tmp_global_step_<N>`` and renamed when every part is on disk, and only then is
 the pointer replaced (write + ``os.replace``). A crash part-way through a save therefore leaves the previous
-checkpoint and the pointer untouched; the leftover ``.tmp_*`` directory is removed by the next save.
+checkpoint and the pointer untouched; the leftover ``.tmp_*`` directory is removed by the next save. A checkpoint
+of the same step already on disk (from a run restarted with ``resume_mode=disable`` or from an earlier checkpoint) is
+moved aside to ``.tmp_replaced_global_step_<N>`` and deleted only once the new one is in place (the next save puts
+it back if a crash came in between).
+
+Retention (``max_to_keep``) runs only after the new checkpoint and the pointer are complete, and it never removes
+the checkpoint just written: it keeps that one and the ``max_to_keep - 1`` highest steps below it. Checkpoints of a
+higher step (left by a run restarted from an earlier point) are removed then too. It looks at the directory, not at
+what this process saved, so it also prunes what earlier (resumed) runs left.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 POINTER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "config.yaml"  # the resolved config, one per checkpoint
 PREFIX = "global_step_"
+REPLACED = ".tmp_replaced_"  # prefix of a checkpoint being replaced by a new one of the same step
 
 
 class CheckpointManager:
@@ -42,26 +53,45 @@ class CheckpointManager:
         """Write checkpoint ``step``: ``writers[name](dir)`` writes part ``name`` (e.g. a worker group's
         ``save_checkpoint``) into ``<ckpt>/<name>``; then the driver's ``trainer_state``. Returns the path."""
         os.makedirs(self.root, exist_ok=True)
-        for leftover in os.listdir(self.root):
-            if leftover.startswith(".tmp_"):
-                shutil.rmtree(os.path.join(self.root, leftover), ignore_errors=True)
+        self._clean_leftovers()
         final = os.path.join(self.root, f"{PREFIX}{step}")
         tmp = os.path.join(self.root, f".tmp_{PREFIX}{step}")
         for name, write in writers.items():
             write(os.path.join(tmp, name))
         torch.save(trainer_state, os.path.join(tmp, STATE_FILE))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replaced = os.path.join(self.root, f"{REPLACED}{PREFIX}{step}")
+        if os.path.exists(final):  # an older run's checkpoint of this step: keep it until the new one is in place
+            os.replace(final, replaced)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if os.path.exists(replaced):
+                os.replace(replaced, final)
+            raise
         pointer_tmp = os.path.join(self.root, POINTER + ".tmp")
         with open(pointer_tmp, "w") as f:
             f.write(str(step))
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer_tmp, os.path.join(self.root, POINTER))
-        self._prune()
+        shutil.rmtree(replaced, ignore_errors=True)
+        self._prune(step)
         logger.info("saved checkpoint %s", final)
         return final
+
+    def _clean_leftovers(self) -> None:
+        """Remove what an interrupted save left: its ``.tmp_*`` directory, and a replaced checkpoint whose
+        replacement is complete (one whose replacement never landed is put back)."""
+        for leftover in os.listdir(self.root):
+            path = os.path.join(self.root, leftover)
+            if leftover.startswith(REPLACED):
+                final = os.path.join(self.root, leftover[len(REPLACED):])
+                if not os.path.exists(os.path.join(final, STATE_FILE)):
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.replace(path, final)
+                    continue
+            if leftover.startswith(".tmp_"):
+                shutil.rmtree(path, ignore_errors=True)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending."""
@@ -105,11 +135,82 @@ class CheckpointManager:
             )
         return resume_mode
 
-    def _prune(self) -> None:
+    def _prune(self, saved: int) -> None:
+        """Keep checkpoint ``saved`` (just written) and the ``max_to_keep - 1`` highest steps below it."""
         if not self.max_to_keep:
             return
-        for step in self.steps()[: -self.max_to_keep]:
+        older = [s for s in self.steps() if s < saved]
+        doomed = older[: max(0, len(older) - (self.max_to_keep - 1))] + [s for s in self.steps() if s > saved]
+        for step in doomed:
             shutil.rmtree(os.path.join(self.root, f"{PREFIX}{step}"), ignore_errors=True)
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint written with a config that the resuming run's config cannot continue (see ``RESUME_KEYS``)."""
+
+
+# What a resume cannot change: the algorithm (driver, estimator: which parts a checkpoint has and what they mean),
+# the models whose weights it holds, and the layout its shards were written in (ranks per checkpointed group and
+# training tensor parallelism: per-rank shards, RNG and lr-schedule files are loaded rank by rank). Everything else
+# (learning rates, batch sizes, KL and loss settings, total steps, logging, ...) may change on resume.
+RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "actor_rollout_ref.model.path",
+               "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size")
+_CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")  # worker groups whose shards a checkpoint holds
+
+
+def save_config(config, path: str) -> None:
+    """Write the resolved ``config`` to ``path`` (YAML): a checkpoint part (``<ckpt>/config.yaml``)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(config, path, resolve=True)
+
+
+def resume_signature(config) -> dict[str, Any]:
+    """The values of ``RESUME_KEYS`` in ``config`` (a loaded config or one read back from a checkpoint) plus the
+    number of ranks of each checkpointed group (``ranks of <role>``, from ``resource_pool`` or
+    ``trainer.n_gpus_per_node x trainer.nnodes``; None for a group the run does not train). ``critic.enable`` is
+    resolved (whether a critic is trained) and ``critic.model.path`` is the path the critic loads ("" = actor's)."""
+    from omegaconf import OmegaConf
+
+    from hybridflow.config import need_critic
+    from hybridflow.trainer.setup import resource_pool_spec
+
+    sig = {key: OmegaConf.select(config, key) for key in RESUME_KEYS}
+    critic = need_critic(config)
+    sig["critic.enable"] = critic
+    sig["critic.model.path"] = (sig["critic.model.path"] or sig["actor_rollout_ref.model.path"]) if critic else None
+    pools, mapping = resource_pool_spec(config)
+    trained = {"actor": True, "critic": critic, "cost_critic": config.algorithm.driver == "safe_rlhf"}
+    for role in _CHECKPOINTED_ROLES:
+        sig[f"ranks of {role}"] = sum(pools[mapping[role]]) if trained[role] else None
+    return sig
+
+
+def check_resume_config(config, path: str) -> None:
+    """Raise when checkpoint ``path`` was written with a config that ``config`` cannot resume (differing
+    :func:`resume_signature`). A checkpoint without ``config.yaml`` (written before checkpoints carried it) is
+    resumed with a warning.
+
+    Raises:
+        IncompatibleCheckpointError: naming every differing key with the checkpoint's and this run's value.
+    """
+    from omegaconf import OmegaConf
+
+    saved_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(saved_path):
+        logger.warning("checkpoint %s has no %s: cannot check that this config can resume it", path, CONFIG_FILE)
+        return
+    saved, now = resume_signature(OmegaConf.load(saved_path)), resume_signature(config)
+    def show(value: Any) -> str:
+        return "none" if value is None else repr(value)
+
+    diffs = [f"{key}: {show(saved.get(key))} in the checkpoint, {show(now[key])} now"
+             for key in now if saved.get(key) != now[key]]
+    if diffs:
+        raise IncompatibleCheckpointError(
+            f"cannot resume {path} (trainer.resume_mode={config.trainer.resume_mode}): it was written with another "
+            f"config: {'; '.join(diffs)}. Train into another trainer.default_local_dir, or set "
+            "trainer.resume_mode=disable to start from scratch here (this directory's checkpoints get replaced)")
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import os
 
 from hybridflow.errors import TrainingInterrupted
 from hybridflow.trainer.async_rl import AsyncTrainer
-from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
+from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.remax import ReMaxTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
@@ -16,7 +16,7 @@ from hybridflow.trainer.scoring import build_cost, build_reward
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils.plot import write_run_curves
 from hybridflow.utils.progress import RunProgress
-from hybridflow.utils.tracking import Tracking
+from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,8 @@ def run_ppo(config) -> dict:
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     total = total_training_steps(config, steps_per_epoch)
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
-    resume_from = checkpoints.resolve(config.trainer.resume_mode)
-    start = load_trainer_state(resume_from)["global_step"] if resume_from is not None else 0
-    if start >= total:
-        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from, start, total,
-                    config.trainer.resume_mode)
+    start = _prepare_run_dir(config, checkpoints, total)
+    if start is None:
         return {}
     logger.info("starting Ray (or joining RAY_ADDRESS / trainer.ray_init.address)")
     started_ray = False
@@ -76,6 +73,32 @@ def _log_run_dir(run_dir: str) -> None:
         logger.warning("the run directory is inside Ray's temporary copy of the job's working directory and will "
                        "be lost: set trainer.default_local_dir to an absolute path on storage that outlives the "
                        "job (a shared filesystem on a multi-node cluster)")
+
+
+def _prepare_run_dir(config, checkpoints: CheckpointManager, total: int) -> int | None:
+    """Before Ray starts: find the checkpoint to resume (``trainer.resume_mode``), check that this config can resume
+    it, and leave ``metrics.jsonl`` with one row per step: rows after the checkpoint's step are dropped on resume; a
+    fresh run moves a previous run's file aside (``metrics.<time>.jsonl``). Returns the step the run starts from (0
+    for a fresh run), or None when the checkpoint is already at ``total`` steps (nothing to do; the directory is
+    left as it is).
+
+    Raises:
+        IncompatibleCheckpointError: the checkpoint was written with an incompatible config (names the keys).
+        FileNotFoundError: ``resume_mode`` names a path that is not a complete checkpoint.
+    """
+    run_dir = config.trainer.default_local_dir
+    resume_from = checkpoints.resolve(config.trainer.resume_mode)
+    if resume_from is None:
+        set_metrics_aside(run_dir)
+        return 0
+    check_resume_config(config, resume_from)
+    step = load_trainer_state(resume_from)["global_step"]
+    if step >= total:
+        logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from, step, total,
+                    config.trainer.resume_mode)
+        return None
+    trim_metrics(run_dir, step)
+    return step
 
 
 def _train(config, groups, train_batches, val_data, total: int, start: int) -> dict:

@@ -8,6 +8,7 @@ One step = generate -> reward -> reference logprobs -> old logprobs -> values ->
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -20,7 +21,7 @@ from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, compute_advantage, compute_data_metrics,
                                      compute_timing_metrics)
-from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
+from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
@@ -56,8 +57,10 @@ class PPOTrainer:
         self.checkpointed_state = {"kl_ctrl": self.kl_ctrl}
 
     def save_checkpoint(self) -> str:
-        """Checkpoint every trained worker group (sharded, per rank) and the driver state, atomically."""
+        """Checkpoint every trained worker group (sharded, per rank), the resolved config and the driver state,
+        atomically."""
         writers = {name: group.save_checkpoint for name, group in self.checkpointed_groups.items()}
+        writers[CONFIG_FILE] = functools.partial(save_config, self.config)
         state = {"global_step": self.global_step,
                  **{name: obj.state_dict() for name, obj in self.checkpointed_state.items()}}
         start = time.perf_counter()

@@ -39,7 +39,7 @@ class SafeRLHFTrainer:
         self.reward, self.cost = reward, cost
         lag = config.algorithm.lagrangian
         self.lagrange = LagrangeMultiplier(lag.lambda_init, lag.lambda_lr, lag.threshold, lag.lambda_max,
-                                           lag.episode_cost_window_size)
+                                           lag.episode_cost_window_size, min_lambda=lag.lambda_min)
         self.ppo = PPOTrainer(config, actor, critic, reward, tracker)
         self.ppo.checkpointed_groups["cost_critic"] = cost_critic
         self.ppo.checkpointed_state["lagrange"] = self.lagrange

@@ -8,7 +8,8 @@ Backends (``trainer.logger``):
 - ``jsonl``: appends one JSON object per ``log`` call (``{"step": 12, "<metric>": <float>, ...}``) to
   ``<default_local_dir>/metrics.jsonl``, flushed on every call, and saves the run's config once to
   ``<default_local_dir>/config.yaml``. Non-finite values are written as ``NaN`` / ``Infinity`` (which Python's
-  ``json`` reads back).
+  ``json`` reads back). Before a run starts, :func:`trim_metrics` (resume) or :func:`set_metrics_aside` (fresh
+  run) leaves the file with one row per step.
 - ``tensorboard``: scalars under ``<default_local_dir>/tensorboard`` (needs the ``tensorboard`` package), and the
   resolved config as the hparams plugin's hyper-parameters.
 - ``wandb``: a Weights & Biases run (``project``/``name`` from the trainer's names, files under
@@ -35,8 +36,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
-
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
 # backend -> the module it imports (the loader checks it is installed before Ray starts); its extra has its name
 BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+METRICS_FILE = "metrics.jsonl"
 
 METRIC_REWARD = "critic/rewards/mean"  # mean sequence reward after the KL penalty (when use_kl_in_reward)
 METRIC_SCORE = "critic/score/mean"  # mean reward-function score; shown as reward when METRIC_REWARD is absent
@@ -92,7 +94,7 @@ class Tracking:
                 from omegaconf import OmegaConf
 
                 OmegaConf.save(config, self.local_dir / "config.yaml", resolve=True)
-            self._jsonl = open(self.local_dir / "metrics.jsonl", "a", encoding="utf-8")
+            self._jsonl = open(self.local_dir / METRICS_FILE, "a", encoding="utf-8")
         if "tensorboard" in self.backends:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -149,6 +151,53 @@ class Tracking:
         if self._tensorboard is not None:
             self._tensorboard.close()
             self._tensorboard = None
+
+
+def trim_metrics(local_dir: str | Path, last_step: int) -> int:
+    """Before resuming from the checkpoint of step ``last_step``: drop the rows of ``local_dir/metrics.jsonl`` with
+    a step above it (logged after that checkpoint by the interrupted run; the resumed run logs them again) and a
+    partly written last line. The file is rewritten atomically (temporary file + ``os.replace``).
+
+    Returns:
+        The number of lines dropped (0 also when there is no file).
+    """
+    path = Path(local_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    kept, dropped, line = [], 0, "\n"
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by the interrupt
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= last_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+    if dropped or not line.endswith("\n"):  # (a last row without its newline would run into the next one)
+        tmp = path.with_name(METRICS_FILE + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+        logger.info("resuming at step %d: dropped %d rows after it from %s", last_step, dropped, path)
+    return dropped
+
+
+def set_metrics_aside(local_dir: str | Path) -> Path | None:
+    """Before a fresh run (no checkpoint to resume): move a previous run's ``local_dir/metrics.jsonl`` to
+    ``metrics.<its last write, UTC, YYYYmmdd-HHMMSS>.jsonl`` so the new run starts a new file. Returns the new path
+    of the old file (None when there was none or it was empty)."""
+    path = Path(local_dir) / METRICS_FILE
+    if not path.exists() or path.stat().st_size == 0:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(path.stat().st_mtime))
+    target, n = path.with_name(f"metrics.{stamp}.jsonl"), 1
+    while target.exists():
+        target, n = path.with_name(f"metrics.{stamp}-{n}.jsonl"), n + 1
+    os.replace(path, target)
+    logger.warning("%s holds a previous run's metrics and no checkpoint to resume: moved it to %s", local_dir,
+                   target.name)
+    return target
 
 
 def format_console_line(metrics: Mapping[str, float], step: int) -> str:

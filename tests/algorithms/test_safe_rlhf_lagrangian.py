@@ -88,3 +88,43 @@ def test_combined_advantage_by_hand():
         compute_safe_rlhf_advantage(a_r, a_c, -1.0)
     with pytest.raises(ValueError, match="same shape"):
         compute_safe_rlhf_advantage(a_r, a_c[:, :2], 1.0)
+
+
+def _steps_to_reach(lag, target, costs):
+    steps = 0
+    while lag.value < target:
+        lag.update(costs)
+        steps += 1
+    return steps
+
+
+def test_floor_bounds_how_low_lambda_goes_and_how_long_it_takes_to_recover():
+    # threshold 0.5, lr 1, window 1: a zero-cost step moves log lambda by -0.5, a cost-1.5 step by +1
+    floored = LagrangeMultiplier(init_lambda=1.0, lambda_lr=1.0, threshold=0.5, window=1, min_lambda=0.01)
+    unfloored = LagrangeMultiplier(init_lambda=1.0, lambda_lr=1.0, threshold=0.5, window=1, min_lambda=0.0)
+    for _ in range(9):  # log lambda = -4.5 > log 0.01 = -4.605: not yet at the floor
+        floored.update([0.0])
+    assert floored.log_lambda == pytest.approx(-4.5)
+    for _ in range(991):  # 1000 zero-cost steps in all
+        floored.update([0.0])
+    for _ in range(1000):
+        unfloored.update([0.0])
+    assert floored.value == pytest.approx(0.01)
+    assert unfloored.log_lambda == pytest.approx(-500.0)  # lambda = exp(-500) ~ 7e-218
+    # back to lambda >= 1: from the floor ceil(log(100) / 1) = ceil(4.605) = 5 steps; without it 500
+    assert _steps_to_reach(floored, 1.0, [1.5]) == 5
+    assert floored.value == pytest.approx(0.01 * math.exp(5))
+    assert _steps_to_reach(unfloored, 1.0, [1.5]) == 500
+
+
+def test_floor_also_holds_for_the_paper_eq31_rule():
+    # eq. 31 steps by lr * lambda * violation: 0.5 * 1 * (0 - 2) = -1 -> log lambda = -1 < log 0.5: floored
+    lag = LagrangeMultiplier(init_lambda=1.0, lambda_lr=0.5, threshold=2.0, scale_by_lambda=True, min_lambda=0.5)
+    assert lag.update([0.0]) == pytest.approx(0.5)
+
+
+def test_floor_validation():
+    with pytest.raises(ValueError, match=r"min_lambda must be in \[0, init_lambda=1.0\]"):
+        LagrangeMultiplier(init_lambda=1.0, lambda_lr=0.1, threshold=0.0, min_lambda=2.0)
+    with pytest.raises(ValueError, match="min_lambda"):
+        LagrangeMultiplier(init_lambda=1.0, lambda_lr=0.1, threshold=0.0, min_lambda=-0.1)

@@ -1,5 +1,8 @@
 """Driver selection (algorithm.driver) and what each driver needs, checked at load time."""
 
+import subprocess
+import sys
+
 import pytest
 
 from hybridflow.config import ConfigError, load_config, need_critic
@@ -61,7 +64,7 @@ def test_lagrangian_and_score_model_values():
 
 
 def test_async_driver_needs_a_generator_pool_of_its_own():
-    (problem,) = _problems("grpo_quickstart", "algorithm.driver=async")
+    (problem,) = _problems("grpo_quickstart", "algorithm.driver=async", "actor_rollout_ref.actor.policy_loss=aipo")
     assert "resource_pool.mapping.generator" in problem and "'global_pool'" in problem
 
 
@@ -81,3 +84,52 @@ def test_async_generator_ranks_must_divide_the_batch_and_the_queue_is_bounded():
     assert "data.train_batch_size (16)" in problem and "'generator' has 3 ranks" in problem
     (problem,) = _problems("async_grpo_quickstart", "async_training.max_staleness=40")
     assert problem.startswith("async_training.queue_size (default max_staleness + 1 = 41) must be <= 32")
+
+
+UNCORRECTED = ["actor_rollout_ref.actor.policy_loss=vanilla", "algorithm.bypass_old_log_prob=false",
+               "async_training.max_staleness=1"]  # the async recipe minus its corrections: PPO clip on stale samples
+CORRECTIONS = ("actor_rollout_ref.actor.policy_loss=aipo", "actor_rollout_ref.actor.tis_imp_ratio_cap",
+               "algorithm.bypass_old_log_prob=true")
+
+
+def test_async_with_stale_samples_and_no_correction_exits_2_before_ray(tmp_path):
+    # through the CLI in a fresh interpreter: exit 2, one problem naming every correction, Ray never imported
+    code = ("import sys; from hybridflow.cli import main; "
+            f"rc = main(['train', 'async_grpo_quickstart', *{UNCORRECTED!r}]); print(rc, 'ray' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert proc.stderr.startswith("invalid config (1 problem):"), proc.stderr
+    assert "async_training.max_staleness=1" in proc.stderr
+    assert all(option in proc.stderr for option in CORRECTIONS), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("fix", ["actor_rollout_ref.actor.policy_loss=aipo",
+                                 "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
+                                 "algorithm.bypass_old_log_prob=true",
+                                 "async_training.max_staleness=0"])
+def test_each_off_policy_correction_makes_async_valid(fix):
+    cfg = load_config("async_grpo_quickstart", UNCORRECTED + [fix])
+    assert cfg.algorithm.driver == "async"
+
+
+def test_gspo_with_tis_is_a_correction_and_without_is_not():
+    load_config("async_grpo_quickstart", UNCORRECTED + ["actor_rollout_ref.actor.policy_loss=gspo",
+                                                        "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0"])
+    (problem,) = _problems("async_grpo_quickstart", *UNCORRECTED, "actor_rollout_ref.actor.policy_loss=gspo",
+                           "async_training.max_staleness=2")
+    assert "max_staleness=2" in problem and "policy_loss=gspo" in problem
+
+
+def test_shipped_async_recipe_is_corrected():
+    cfg = load_config("async_grpo_quickstart")
+    assert cfg.async_training.max_staleness >= 1 and cfg.actor_rollout_ref.actor.policy_loss == "aipo"
+
+
+def test_lagrangian_lambda_min_is_a_floor_below_lambda_init():
+    assert load_config("safe_rlhf_quickstart").algorithm.lagrangian.lambda_min == 0.01  # the schema default
+    problems = _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_min=2.0")
+    assert problems == ["algorithm.lagrangian.lambda_min (2.0) must be in [0, algorithm.lagrangian.lambda_init "
+                        "(1.0)] (0: no floor)"]
+    assert _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_min=-1")[0].startswith(
+        "algorithm.lagrangian.lambda_min (-1.0)")

@@ -87,6 +87,7 @@ def test_async_ppo_with_a_critic(ray_session, tmp_path):
     # GAE: the critic lives on the trainer's pool and trains on the same (one-step-stale) samples
     run_ppo(load_config("async_grpo_quickstart", COMMON + [
         "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=1", "trainer.total_training_steps=2",
+        "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",  # vanilla PPO clip on stale samples needs a correction
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "trainer.save_freq=-1", "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4",
         f"trainer.default_local_dir={tmp_path}"]))

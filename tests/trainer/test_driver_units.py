@@ -123,3 +123,13 @@ def test_resuming_another_drivers_checkpoint_names_what_is_missing(tmp_path):
     safe = SafeRLHFTrainer(_safe_config(tmp_path), StubGroup(), StubGroup(), StubGroup(), None, None, None)
     with pytest.raises(KeyError, match=r"no \['lagrange', 'cost_critic'\].*another algorithm.driver"):
         safe.ppo.resume()
+
+
+def test_safe_rlhf_driver_floors_lambda_at_lagrangian_lambda_min(tmp_path):
+    trainer = SafeRLHFTrainer(_safe_config(tmp_path, "algorithm.lagrangian.lambda_min=0.5"),
+                              None, None, None, None, None, None)
+    # threshold 0.25, lr 1: a zero-cost step would take log lambda from 0 to -0.25 (lambda 0.78), 3 of them to
+    # exp(-0.75) = 0.47 < 0.5: held at the floor
+    for _ in range(3):
+        trainer.lagrange.update([0.0] * 8)
+    assert trainer.lagrange.value == pytest.approx(0.5)

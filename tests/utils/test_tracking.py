@@ -2,13 +2,14 @@
 
 import importlib.util
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hybridflow.utils.tracking import Tracking, format_console_line
+from hybridflow.utils.tracking import Tracking, format_console_line, set_metrics_aside, trim_metrics
 
 
 def _read_jsonl(path):
@@ -86,3 +87,44 @@ def test_step_is_a_reserved_metric_name(tmp_path):
 def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
     with pytest.raises(ImportError, match="pip install tensorboard"):  # torch's SummaryWriter needs it
         Tracking("p", "e", tmp_path, backends=("tensorboard",))
+
+
+def _write_rows(path, steps, tail=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"step": s, "m": float(s)}) + "\n" for s in steps) + tail)
+
+
+def test_trim_metrics_drops_the_rows_after_the_resumed_checkpoint(tmp_path):
+    # an interrupted run logged steps 0 (validation) .. 5 and had half-written step 6; its checkpoint is at step 4
+    path = tmp_path / "metrics.jsonl"
+    _write_rows(path, [0, 1, 2, 3, 4, 5], tail='{"step": 6, "m": ')
+    assert trim_metrics(tmp_path, 4) == 2
+    assert [r["step"] for r in _read_jsonl(path)] == [0, 1, 2, 3, 4]
+    assert trim_metrics(tmp_path, 4) == 0  # nothing more to drop
+    # the resumed run appends 5, 6: exactly one row per step
+    tracker = Tracking("p", "e", tmp_path, backends=("jsonl",))
+    for step in (5, 6):
+        tracker.log({"m": float(step)}, step=step)
+    tracker.finish()
+    assert [r["step"] for r in _read_jsonl(path)] == [0, 1, 2, 3, 4, 5, 6]
+    assert trim_metrics(tmp_path / "nowhere", 3) == 0
+
+
+def test_trim_metrics_ends_a_last_row_that_lost_its_newline(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _write_rows(path, [1], tail='{"step": 2, "m": 2.0}')
+    assert trim_metrics(tmp_path, 2) == 0
+    assert path.read_text().endswith("\n") and [r["step"] for r in _read_jsonl(path)] == [1, 2]
+
+
+def test_set_metrics_aside_moves_a_previous_runs_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    assert set_metrics_aside(tmp_path) is None  # no file: nothing to do
+    _write_rows(path, [1, 2])
+    os.utime(path, (0, 86400 + 3661))  # last written 1970-01-02 01:01:01 UTC
+    moved = set_metrics_aside(tmp_path)
+    assert moved == tmp_path / "metrics.19700102-010101.jsonl" and not path.exists()
+    assert [r["step"] for r in _read_jsonl(moved)] == [1, 2]
+    _write_rows(path, [1])
+    os.utime(path, (0, 86400 + 3661))
+    assert set_metrics_aside(tmp_path) == tmp_path / "metrics.19700102-010101-1.jsonl"  # never overwrites
