@@ -48,6 +48,8 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
+    "algorithm.filter_groups.on_limit": ("error", "train"),
 }
 NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a registry lookup or the accepted names
     "algorithm.adv_estimator": ("hybridflow.algorithms", "get_adv_estimator_fn"),
@@ -97,7 +99,9 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
     (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
     (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
-    (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
+    (("algorithm.lagrangian.lambda_lr", "reward_model.overlong_buffer.penalty_factor"), lambda v: v >= 0,
+     "must be >= 0"),
+    (("actor_rollout_ref.actor.loss_scale_factor",), lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
 ]
@@ -345,7 +349,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
 
     checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
                lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
-               lambda: _driver_problems(get), lambda: _score_model_problems(get),
+               lambda: _driver_problems(get), lambda: _dapo_problems(get), lambda: _score_model_problems(get),
                lambda: _parallel_layout_problems(get)]
     problems: list[str] = []
     for check in checks:
@@ -448,6 +452,29 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:
         problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
+    return problems
+
+
+def _dapo_problems(get: Callable[[str], Any]) -> list[str]:
+    """DAPO's pieces: dynamic sampling runs in the ppo driver's step and needs groups (rollout.n >= 2); the
+    overlong penalty is added in the training step of drivers ppo and async, and its buffer fits the response."""
+    driver, problems = get("algorithm.driver"), []
+    if get("algorithm.filter_groups.enable"):
+        if driver != "ppo":
+            problems.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) is supported by the ppo "
+                            f"driver, got algorithm.driver={driver}")
+        if get("actor_rollout_ref.rollout.n") < 2:
+            problems.append("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2 "
+                            f"(got {get('actor_rollout_ref.rollout.n')}; a group of one is never informative)")
+    buffer = "reward_model.overlong_buffer"
+    if get(f"{buffer}.enable"):
+        length, max_len = get(f"{buffer}.len"), get("data.max_response_length")
+        if not 1 <= length <= max_len:
+            problems.append(f"{buffer}.len must be in [1, data.max_response_length={max_len}] when "
+                            f"{buffer}.enable=true, got {length}")
+        if driver not in ("ppo", "async"):
+            problems.append(f"{buffer}.enable=true is supported by the drivers ppo and async, got "
+                            f"algorithm.driver={driver}")
     return problems
 
 

@@ -87,8 +87,8 @@ class BaseRollout(abc.ABC):
         Returns:
             A DataProto with (B*n) rows, prompt i's n samples at rows i*n .. i*n+n-1, holding at least
             ``prompts`` (B*n, P), ``responses`` (B*n, R), ``input_ids``, ``attention_mask``,
-            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R) and ``rollout_log_probs`` (B*n, R).
-            B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
+            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R), ``rollout_log_probs`` (B*n, R) and
+            ``truncated`` (B*n,) bool (cut by the length limit, no eos). B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
 
         Raises:
             RolloutAsleepError: if called between ``sleep()`` and ``wake()``.
