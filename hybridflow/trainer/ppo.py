@@ -118,6 +118,10 @@ class PPOTrainer:
             metrics.update(self.train_on(batch, t, scored=True))
         return self.step_metrics(batch, metrics, t)
 
+    def set_data(self, train_batches: Callable[[int], Iterable[DataProto]]) -> None:
+        """Point the data cursor at ``train_batches(data_position)``: the batches from the current position on."""
+        self._batches = iter(train_batches(self.data_position))
+
     def next_batch(self) -> DataProto:
         """The next batch of prompts from the data cursor (advances ``data_position``)."""
         batch = next(self._batches)
@@ -212,7 +216,7 @@ class PPOTrainer:
         if val_data is not None and cfg.val_before_train and start == 0:
             val_metrics = driver.validate(val_data)
             self.tracker.log(val_metrics, step=0)
-        self._batches = iter(train_batches(self.data_position))
+        self.set_data(train_batches)
         while self.global_step < total_steps:
             batch = self.next_batch()
             self.global_step += 1
