@@ -201,11 +201,11 @@ class PPOTrainer:
 
     def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
             total_steps: int, driver=None) -> dict:
-        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(step)``
-        yields the batches from global step ``step`` on. Validates every ``trainer.test_freq`` steps and at the
-        end (and before training with ``val_before_train``, unless resuming); checkpoints every
-        ``trainer.save_freq`` steps and at the end. Returns the last validation metrics. ``train_batches`` takes
-        the data position (batches consumed; the step unless dynamic sampling consumed extra ones).
+        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(position)``
+        yields the batches from data position ``position`` on (batches consumed before: the step, unless dynamic
+        sampling consumed extra ones). Validates every ``trainer.test_freq`` steps and at the end (and before
+        training with ``val_before_train``, unless resuming); checkpoints every ``trainer.save_freq`` steps and at
+        the end. Returns the last validation metrics.
 
         ``driver``: the object whose ``step(batch) -> metrics`` and ``validate(val_data) -> metrics`` run the
         algorithm (default: this PPO trainer); another driver passes itself and gets this loop."""

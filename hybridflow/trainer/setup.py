@@ -49,9 +49,10 @@ def _rows(files, split: str, size: int, seed: int, prompt_key: str) -> list[dict
 
 
 def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
-    """``batches(start_step)``: the train batches from global step ``start_step`` on (an endless iterator over
-    epochs, each a permutation seeded by ``data.seed + epoch``, so the position is a pure function of the step
-    and a resumed run sees exactly the batches it would have seen); the whole validation set as one
+    """``batches(start_step)``: the train batches from batch position ``start_step`` on (an endless iterator over
+    epochs, each a permutation seeded by ``data.seed + epoch``, so the batches are a pure function of the
+    position and a resumed run sees exactly the batches it would have seen; the position is the global step
+    unless DAPO dynamic sampling consumed extra batches, and the trainer checkpoints it); the whole validation set as one
     left-padded DataProto; the number of steps per epoch."""
     data = config.data
     model = config.actor_rollout_ref.model
