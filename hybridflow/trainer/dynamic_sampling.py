@@ -119,9 +119,33 @@ def _training_batch(found: _Gathered, want: int, n: int, divisor: int) -> DataPr
                        "batch unfiltered (zero advantages: only KL/entropy terms move the policy)")
         batch = found.last
     else:
-        batch = DataProto.concat(found.pieces)[: groups * n]
+        batch = DataProto.concat(_same_prompt_width(found.pieces))[: groups * n]
     for key in [k for k in batch.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
         del batch.meta_info[key]
     for meta in found.metas:  # worker seconds of every generation batch, kept or not
         add_worker_time(batch.meta_info, meta)
     return batch
+
+
+# rollout tensors whose width is prompt + response (P+R) or prompt only (P); left padding widens all of them
+_PROMPT_AND_RESPONSE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _same_prompt_width(pieces: list[DataProto]) -> list[DataProto]:
+    """Left-pad the prompt part of every piece to the widest prompt (each prompt batch is padded only to its own
+    longest prompt): ``prompts`` (N, P) and the ``(N, P+R)`` tensors get columns of attention 0, position 0 and
+    the pad id found in the left padding (0 if no piece has any: a masked position's id is never read)."""
+    width = max(p.batch["prompts"].shape[1] for p in pieces)
+    pad_ids = [p.batch["prompts"][p.batch["attention_mask"][:, : p.batch["prompts"].shape[1]] == 0] for p in pieces]
+    pad_id = next((int(ids[0]) for ids in pad_ids if ids.numel()), 0)
+    out = []
+    for piece in pieces:
+        extra = width - piece.batch["prompts"].shape[1]
+        if extra:
+            piece = piece.select()  # a shallow copy: the generated batch is left as it was
+            for key in ("prompts",) + _PROMPT_AND_RESPONSE_KEYS:
+                value = pad_id if key in ("prompts", "input_ids") else 0
+                tensor = piece.batch[key]
+                piece.batch[key] = torch.cat([tensor.new_full((len(piece), extra), value), tensor], dim=1)
+        out.append(piece)
+    return out

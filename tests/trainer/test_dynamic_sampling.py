@@ -32,7 +32,12 @@ class FakeActor:
         self.seeds.append(prompts.meta_info["seed"])
         rows = len(prompts) * N
         mask = torch.ones(rows, R, dtype=torch.long)
-        return DataProto.from_dict(tensors={"responses": torch.ones(rows, R, dtype=torch.long), "response_mask": mask})
+        prompt = {k: v.repeat_interleave(N, dim=0) for k, v in prompts.batch.items()}
+        return DataProto.from_dict(tensors={
+            "prompts": prompt["input_ids"], "responses": torch.ones(rows, R, dtype=torch.long), "response_mask": mask,
+            "input_ids": torch.cat([prompt["input_ids"], torch.ones(rows, R, dtype=torch.long)], 1),
+            "attention_mask": torch.cat([prompt["attention_mask"], mask], 1),
+            "position_ids": torch.cat([prompt["position_ids"], prompt["position_ids"][:, -1:] + 1 + torch.arange(R)], 1)})
 
 
 class FakeReward:
@@ -46,11 +51,12 @@ class FakeReward:
         return DataProto.from_dict(tensors={"token_level_scores": scores})
 
 
-def _prompts(*truths):
+def _prompts(*truths, width=3):
+    """Prompts of ``width`` tokens (ids 5), each prompt batch padded to its own width as the data loader does."""
     b = len(truths)
     return DataProto.from_dict(
-        tensors={"input_ids": torch.ones(b, 3, dtype=torch.long), "attention_mask": torch.ones(b, 3, dtype=torch.long),
-                 "position_ids": torch.arange(3).expand(b, -1)},
+        tensors={"input_ids": torch.full((b, width), 5), "attention_mask": torch.ones(b, width, dtype=torch.long),
+                 "position_ids": torch.arange(width).expand(b, -1)},
         non_tensors={"ground_truth": np.array(truths, dtype=object)})
 
 
@@ -71,7 +77,8 @@ def test_gathers_train_batch_size_informative_groups_over_generation_batches(tmp
     trainer = _trainer(tmp_path)
     # batch 1: groups 0 and 2 informative (2 of the 4 wanted); batch 2: groups 1, 2, 3 informative -> 2 of them kept
     batch, metrics = _collect(trainer, _prompts("mixed", "all1", "mixed2", "all0"),
-                              _prompts("all1", "mixed3", "mixed4", "mixed5"), _prompts("mixed", "mixed", "mixed", "mixed"))
+                              _prompts("all1", "mixed3", "mixed4", "mixed5", width=5),
+                              _prompts("mixed", "mixed", "mixed", "mixed"))
     truths = batch.non_tensor_batch["ground_truth"].tolist()
     assert truths == ["mixed", "mixed", "mixed2", "mixed2", "mixed3", "mixed3", "mixed4", "mixed4"]
     uid = batch.non_tensor_batch["uid"]
@@ -83,6 +90,13 @@ def test_gathers_train_batch_size_informative_groups_over_generation_batches(tmp
     # the first batch samples with the step's seed (as without filtering), the extra one with its data position's
     assert trainer.actor.seeds == [base + 0, base + EXTRA_BATCH_SEED_OFFSET + 1]
     assert batch.batch["token_level_scores"].sum(-1).tolist() == [1, 0, 0, 1, 1, 0, 0, 1]
+    # the 3-token prompts of the first batch are left-padded to the second batch's 5 (attention 0, position 0)
+    b = batch.batch
+    assert b["prompts"].shape == (8, 5) and b["input_ids"].shape == b["attention_mask"].shape == (8, 5 + R)
+    assert b["attention_mask"][:4].tolist() == [[0, 0, 1, 1, 1] + [1] * R] * 4
+    assert b["attention_mask"][4:].tolist() == [[1] * (5 + R)] * 4
+    assert b["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6]
+    assert b["input_ids"][0, 2:].tolist() == [5, 5, 5, 1, 1, 1, 1]
 
 
 def test_at_the_limit_on_limit_error_stops_with_a_clear_message(tmp_path):
