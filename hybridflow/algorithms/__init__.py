@@ -15,6 +15,7 @@ from hybridflow.algorithms.advantage_reinforce import (  # importing registers r
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
+from hybridflow.algorithms.dapo import informative_groups, overlong_filter_mask, overlong_reward_penalty
 from hybridflow.algorithms.kl import (
     KL_PENALTY_TYPES,
     AdaptiveKLController,
@@ -65,12 +66,15 @@ __all__ = [
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
+    "informative_groups",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "overlong_filter_mask",
+    "overlong_reward_penalty",
     "register_adv_est",
     "register_policy_loss",
     "sampling_logits",

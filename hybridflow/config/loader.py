@@ -51,6 +51,8 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
+    "algorithm.filter_groups.on_limit": ("error", "train"),
 }
 # keys that were accepted once and removed: setting one is an unknown key, with this hint
 REMOVED_KEYS: dict[str, str] = {
@@ -114,7 +116,9 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
     (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
     (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
-    (("algorithm.lagrangian.lambda_lr",), lambda v: v >= 0, "must be >= 0"),
+    (("algorithm.lagrangian.lambda_lr", "reward_model.overlong_buffer.penalty_factor"), lambda v: v >= 0,
+     "must be >= 0"),
+    (("actor_rollout_ref.actor.loss_scale_factor",), lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
     (("trainer.ray_init.node_ip_address",), _is_ip, "must be an IP address of this machine (127.0.0.1: local only)"),
@@ -384,8 +388,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
 
     checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
                lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
-               lambda: _driver_problems(get), lambda: _score_model_problems(get), lambda: _reward_fn_problems(get),
-               lambda: _strategy_problems(get("actor_rollout_ref.actor.strategy")),
+               lambda: _driver_problems(get), lambda: _dapo_problems(get), lambda: _score_model_problems(get),
+               lambda: _reward_fn_problems(get), lambda: _strategy_problems(get("actor_rollout_ref.actor.strategy")),
                lambda: _parallel_layout_problems(get)]
     problems: list[str] = []
     for check in checks:
@@ -491,6 +495,29 @@ def _driver_problems(get: Callable[[str], Any]) -> list[str]:
     lam_min = get(f"{lam}.lambda_min")
     if not 0 <= lam_min <= lam_init:
         problems.append(f"{lam}.lambda_min ({lam_min}) must be in [0, {lam}.lambda_init ({lam_init})] (0: no floor)")
+    return problems
+
+
+def _dapo_problems(get: Callable[[str], Any]) -> list[str]:
+    """DAPO's pieces: dynamic sampling runs in the ppo driver's step and needs groups (rollout.n >= 2); the
+    overlong penalty is added in the training step of drivers ppo and async, and its buffer fits the response."""
+    driver, problems = get("algorithm.driver"), []
+    if get("algorithm.filter_groups.enable"):
+        if driver != "ppo":
+            problems.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) is supported by the ppo "
+                            f"driver, got algorithm.driver={driver}")
+        if get("actor_rollout_ref.rollout.n") < 2:
+            problems.append("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2 "
+                            f"(got {get('actor_rollout_ref.rollout.n')}; a group of one is never informative)")
+    buffer = "reward_model.overlong_buffer"
+    if get(f"{buffer}.enable"):
+        length, max_len = get(f"{buffer}.len"), get("data.max_response_length")
+        if not 1 <= length <= max_len:
+            problems.append(f"{buffer}.len must be in [1, data.max_response_length={max_len}] when "
+                            f"{buffer}.enable=true, got {length}")
+        if driver not in ("ppo", "async"):
+            problems.append(f"{buffer}.enable=true is supported by the drivers ppo and async, got "
+                            f"algorithm.driver={driver}")
     return problems
 
 

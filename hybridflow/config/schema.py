@@ -59,6 +59,12 @@ class ActorConfig:
     # truncated importance sampling: weight vanilla/gspo token losses by min(exp(old - rollout logprob), cap); <= 0 off
     tis_imp_ratio_cap: float = -1.0
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    # the constant L of seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums are divided by L; null means
+    # data.max_response_length (never the padded width of a batch)
+    loss_scale_factor: Optional[float] = None
+    # DAPO overlong filtering: responses that hit data.max_response_length without an eos leave the actor loss
+    # (its numerator and its token/sequence counts)
+    overlong_filter: bool = False
     entropy_coeff: float = 0.0  # entropy bonus coefficient
     use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
@@ -147,6 +153,16 @@ class LagrangianConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    # DAPO dynamic sampling (Yu et al. 2025, sec. 3.2): drop groups whose responses all got the same metric and
+    # generate from further prompt batches until data.train_batch_size informative groups are gathered
+    enable: bool = False
+    metric: str = "acc"  # acc | score (the task score before overlong shaping) | seq_reward (after shaping)
+    max_num_gen_batches: int = 0  # generation batches allowed per step; <= 0 means no limit (as in verl)
+    on_limit: str = "error"  # at the limit with too few groups: error (stop, verl's way) | train (on those found)
+
+
+@dataclass
 class AlgorithmConfig:
     # which driver runs the step: ppo (the PPO family: gae, grpo, rloo, reinforce_plus_plus, ...), remax (greedy
     # baseline, Li et al. 2023), safe_rlhf (reward + cost critics and a Lagrange multiplier, Dai et al. 2023) or
@@ -163,6 +179,7 @@ class AlgorithmConfig:
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     lagrangian: LagrangianConfig = field(default_factory=LagrangianConfig)  # used by driver safe_rlhf
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling (ppo)
 
 
 @dataclass
@@ -182,6 +199,15 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # DAPO soft overlong punishment (Yu et al. 2025, eq. 13), added to each training response's score: 0 up to
+    # data.max_response_length - len response tokens, then linear down to -penalty_factor at max_response_length
+    enable: bool = False
+    len: int = 0  # the buffer L_cache in response tokens, 1..data.max_response_length when enabled
+    penalty_factor: float = 1.0  # the penalty at max_response_length (>= 0)
+
+
+@dataclass
 class RewardConfig:
     # default (the reward registered for each row's data_source) | path/to/file.py:fn | package.module:fn, a user
     # fn(data_source, solution_str, ground_truth, extra_info=None) -> float (verl's custom_reward_function)
@@ -191,6 +217,7 @@ class RewardConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the reward model's local directory
     micro_batch_size_per_gpu: int = 16  # sequences per reward-model forward on one rank
     combine: str = "sum"  # with enable: sum (rule score + model score) | model (model score only)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)  # DAPO length penalty
 
 
 @dataclass

@@ -109,9 +109,10 @@ class BaseRollout(abc.ABC):
         Returns:
             A DataProto with (B*n) rows, prompt i's n samples at rows i*n .. i*n+n-1, holding at least
             ``prompts`` (B*n, P), ``responses`` (B*n, R), ``input_ids``, ``attention_mask``,
-            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R) and ``rollout_log_probs`` (B*n, R) float32,
+            ``position_ids`` (B*n, P+R), ``response_mask`` (B*n, R), ``rollout_log_probs`` (B*n, R) float32,
             the logprob of each sampled token under the distribution it was drawn from (after temperature and
-            top-k / top-p truncation, renormalised; see "Sampling logprobs" above), 0 where the mask is 0.
+            top-k / top-p truncation, renormalised; see "Sampling logprobs" above), 0 where the mask is 0, and
+            ``truncated`` (B*n,) bool (cut by the length limit, no eos).
             B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
 
         Raises:

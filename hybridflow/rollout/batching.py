@@ -20,6 +20,7 @@ __all__ = [
     "build_rollout_output",
     "prompt_tensors",
     "resolve_sampling_params",
+    "truncated_responses",
 ]
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -93,6 +94,7 @@ def build_rollout_output(
     response_mask: torch.Tensor,
     log_probs: torch.Tensor,
     seconds: float,
+    eos_ids: Sequence[int] | torch.Tensor,
 ) -> DataProto:
     """The rollout output batch (the layout :meth:`BaseRollout.generate_sequences` promises).
 
@@ -102,12 +104,14 @@ def build_rollout_output(
         response_mask: (N, R) long, 1 on generated tokens up to and including the first eos.
         log_probs: (N, R) float32, 0 where ``response_mask`` is 0.
         seconds: wall-clock generation time, reported as ``meta_info["generate_seconds"]``.
+        eos_ids: the ids that ended a response in this call.
 
     Returns:
         tensors ``prompts`` (N, P); ``responses`` (N, R); ``input_ids`` (N, P+R) = cat(prompts, responses);
         ``attention_mask`` (N, P+R) = cat(prompt mask, response_mask); ``position_ids`` (N, P+R): the prompt
         positions, then last prompt position + 1, + 2, ... for every response slot (padded ones included);
-        ``response_mask``; ``rollout_log_probs``. meta_info ``num_generated_tokens`` (sum of response_mask)
+        ``response_mask``; ``rollout_log_probs``; ``truncated`` (N,) bool: the response filled all R slots and its
+        last token is no eos (it was cut by the length limit; DAPO's overlong filtering reads it). meta_info ``num_generated_tokens`` (sum of response_mask)
         and ``generate_seconds``.
     """
     response_length = responses.shape[1]
@@ -120,6 +124,16 @@ def build_rollout_output(
         "position_ids": torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
+        "truncated": truncated_responses(responses, response_mask, eos_ids),
     }
     meta_info = {"num_generated_tokens": int(response_mask.sum()), "generate_seconds": seconds}
     return DataProto.from_dict(tensors=tensors, meta_info=meta_info)
+
+
+def truncated_responses(responses: torch.Tensor, response_mask: torch.Tensor,
+                        eos_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """(N,) bool: rows of ``responses`` (N, R) whose ``response_mask`` (N, R) covers all R slots and whose last
+    token is not one of ``eos_ids`` -- the responses the length limit cut off."""
+    eos = torch.as_tensor(eos_ids, dtype=responses.dtype, device=responses.device).reshape(-1)
+    full = response_mask.sum(-1) >= responses.shape[1]
+    return full & ~torch.isin(responses[:, -1], eos)

@@ -135,7 +135,8 @@ class HFRollout(BaseRollout):
             mask, response_mask); ``position_ids`` (N, P+R): prompt positions, then last prompt position
             + 1, + 2, ... for every response slot, padded ones included; ``response_mask`` (N, R) long, 1 on
             generated tokens up to and including the first eos; ``rollout_log_probs`` (N, R) float32,
-            logprob of each token under the distribution it was drawn from, 0 where response_mask is 0.
+            logprob of each token under the distribution it was drawn from, 0 where response_mask is 0;
+            ``truncated`` (N,) bool, True where the response used all R slots without emitting an eos.
             meta_info: ``num_generated_tokens`` (int, sum of response_mask), ``generate_seconds`` (float).
             The input's non-tensor columns and meta_info are not carried over; repeat the input batch with
             ``repeat(n, interleave=True)`` to align it with the output.
@@ -184,7 +185,7 @@ class HFRollout(BaseRollout):
         responses, response_mask, log_probs = (torch.cat(parts).to(out_device) for parts in zip(*chunks))
 
         out = build_rollout_output(
-            input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds
+            input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds, eos_ids.cpu()
         )
         logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"],
                      seconds)

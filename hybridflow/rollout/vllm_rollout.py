@@ -369,7 +369,7 @@ class VLLMRollout(BaseRollout):
                 t.repeat_interleave(n, dim=0) for t in (input_ids, attention_mask, position_ids)
             )
         out = build_rollout_output(input_ids, attention_mask, position_ids, responses.to(device),
-                                   response_mask.to(device), log_probs.to(device), seconds)
+                                   response_mask.to(device), log_probs.to(device), seconds, eos_ids)
         logger.debug("vllm rollout: %d rows, %d tokens in %.3fs", rows, out.meta_info["num_generated_tokens"], seconds)
         return out
 

@@ -1,9 +1,11 @@
 """The PPO driver (Ouyang et al. 2022; HybridFlow, Sheng et al. 2025, Fig. 4): one controller walks the RLHF
 dataflow and every model is a worker group. The driver holds no weights; it moves DataProto batches.
 
-One step = generate -> reward -> reference logprobs -> old logprobs -> values -> KL-in-reward -> advantages
--> update critic -> update actor. Advantages and the KL penalty run here on the driver (see
-:mod:`hybridflow.trainer.steps` for why).
+One step = generate -> reward (+ DAPO's overlong penalty) -> reference logprobs -> old logprobs -> values ->
+KL-in-reward -> advantages -> update critic -> update actor. Advantages and the KL penalty run here on the driver
+(see :mod:`hybridflow.trainer.steps` for why). With ``algorithm.filter_groups.enable`` (DAPO dynamic sampling) the
+first two phases repeat over further prompt batches until the batch holds enough informative groups
+(:mod:`hybridflow.trainer.dynamic_sampling`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, compute_advantage, compute_data_metrics,
-                                     compute_timing_metrics)
+from hybridflow.trainer.dynamic_sampling import collect_informative_groups
+from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
+                                     compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
@@ -44,6 +47,10 @@ class PPOTrainer:
     ``checkpointed_groups`` (name -> worker group with ``save_checkpoint``/``load_checkpoint``; saved under
     ``<ckpt>/<name>``) and ``checkpointed_state`` (name -> driver object with ``state_dict``/``load_state_dict``;
     saved in ``trainer_state.pt``).
+
+    The data cursor ``data_position`` counts the prompt batches consumed (one per step, more with DAPO dynamic
+    sampling, which pulls extra ones through :meth:`next_batch`); it is checkpointed, and :meth:`fit` resumes the
+    data from it, so a resumed run sees exactly the prompts of an uninterrupted one.
     """
 
     def __init__(self, config, actor, critic, reward, tracker) -> None:
@@ -52,6 +59,8 @@ class PPOTrainer:
         self.tracker = tracker
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
+        self.data_position = 0  # prompt batches consumed so far (== global_step without dynamic sampling)
+        self._batches = None  # the iterator of train batches, from data_position on (set by fit)
         self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
         self.checkpointed_groups = {"actor": actor, **({"critic": critic} if critic is not None else {})}
         self.checkpointed_state = {"kl_ctrl": self.kl_ctrl}
@@ -61,7 +70,7 @@ class PPOTrainer:
         atomically."""
         writers = {name: group.save_checkpoint for name, group in self.checkpointed_groups.items()}
         writers[CONFIG_FILE] = functools.partial(save_config, self.config)
-        state = {"global_step": self.global_step,
+        state = {"global_step": self.global_step, "data_position": self.data_position,
                  **{name: obj.state_dict() for name, obj in self.checkpointed_state.items()}}
         start = time.perf_counter()
         logger.info("saving the checkpoint of step %d (%s) under %s", self.global_step, ", ".join(writers),
@@ -88,38 +97,71 @@ class PPOTrainer:
         for name, group in self.checkpointed_groups.items():
             group.load_checkpoint(os.path.join(path, name))
         self.global_step = state["global_step"]
+        self.data_position = state.get("data_position", self.global_step)  # older checkpoints: one batch per step
         for name, obj in self.checkpointed_state.items():
             obj.load_state_dict(state[name])
         logger.info("resumed from %s at step %d", path, self.global_step)
         return self.global_step
 
-    def pop_prompts(self, batch: DataProto, step: int | None = None) -> DataProto:
+    def pop_prompts(self, batch: DataProto, step: int | None = None, seed_index: int | None = None) -> DataProto:
         """Start a step: give each prompt a ``uid`` (before its n samples are made, so they share it: the groups of
         GRPO/RLOO), put ``global_step`` in ``batch.meta_info``, and pop the prompt tensors (``input_ids``,
-        ``attention_mask``, ``position_ids`` (B, P)) with the sampling ``seed`` of step ``step`` (default: the
-        current ``global_step``) as the rollout's input."""
+        ``attention_mask``, ``position_ids`` (B, P)) with the sampling ``seed`` of index ``seed_index`` (default:
+        the step ``step``, itself defaulting to the current ``global_step``) as the rollout's input."""
         step = self.global_step if step is None else step
+        seed_index = step if seed_index is None else seed_index
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        batch.meta_info.update(seed=self.config.trainer.seed * 100003 + step, global_step=step)
+        batch.meta_info.update(seed=self.config.trainer.seed * 100003 + seed_index, global_step=step)
         return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], meta_info_keys=["seed"])
 
     def step(self, batch: DataProto) -> dict[str, float]:
-        """One PPO iteration on a batch of prompts; returns its metrics."""
-        n, t = self.config.actor_rollout_ref.rollout.n, {}
-        prompts = self.pop_prompts(batch)
+        """One PPO iteration on a batch of prompts (with DAPO dynamic sampling: on as many batches as it takes to
+        fill the batch with informative groups); returns its metrics."""
+        t: dict[str, float] = {}
         with timer("step", t):
-            with timer("gen", t):
-                gen = self.actor.generate_sequences(prompts)
-            batch = batch.repeat(n, interleave=True).union(gen)
-            metrics = self.train_on(batch, t)
+            if self.config.algorithm.filter_groups.enable:
+                batch, metrics = collect_informative_groups(self, batch, t)
+            else:
+                batch, metrics = self.generate_and_score(batch, t), {}
+            metrics.update(self.train_on(batch, t, scored=True))
         return self.step_metrics(batch, metrics, t)
 
-    def train_on(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
-        """The rest of a step on a batch of generated samples: reward, reference logprobs (when a KL term needs
-        them), old logprobs (unless ``algorithm.bypass_old_log_prob``), values, advantages, critic and actor
-        updates (phase seconds into ``t``); returns the metrics."""
+    def set_data(self, train_batches: Callable[[int], Iterable[DataProto]]) -> None:
+        """Point the data cursor at ``train_batches(data_position)``: the batches from the current position on."""
+        self._batches = iter(train_batches(self.data_position))
+
+    def next_batch(self) -> DataProto:
+        """The next batch of prompts from the data cursor (advances ``data_position``)."""
+        batch = next(self._batches)
+        self.data_position += 1
+        return batch
+
+    def generate_and_score(self, batch: DataProto, t: dict[str, float], seed_index: int | None = None) -> DataProto:
+        """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`)
+        and score them (:meth:`score`); returns the generated rows, a prompt's samples adjacent."""
+        prompts = self.pop_prompts(batch, seed_index=seed_index)
+        with timer("gen", t):
+            gen = self.actor.generate_sequences(prompts)
+        batch = batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
+        self.score(batch, t)
+        return batch
+
+    def score(self, batch: DataProto, t: dict[str, float]) -> None:
+        """Add ``token_level_scores`` (B, R) (and ``reward_error``) from the reward, plus, with
+        ``reward_model.overlong_buffer.enable``, DAPO's overlong penalty (``overlong_penalty`` (B,), on the last
+        valid token)."""
         with timer("reward", t):
             batch.union(self.reward.compute_rm_score(batch))
+        buffer = self.config.reward_model.overlong_buffer
+        if buffer.enable:
+            apply_overlong_penalty(batch, self.config.data.max_response_length, buffer.len, buffer.penalty_factor)
+
+    def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
+        """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
+        ran), reference logprobs (when a KL term needs them), old logprobs (unless ``algorithm.bypass_old_log_prob``),
+        values, advantages, critic and actor updates (phase seconds into ``t``); returns the metrics."""
+        if not scored:
+            self.score(batch, t)
         if self.config.algorithm.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
@@ -167,10 +209,11 @@ class PPOTrainer:
 
     def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
             total_steps: int, driver=None) -> dict:
-        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(step)``
-        yields the batches from global step ``step`` on. Validates every ``trainer.test_freq`` steps and at the
-        end (and before training with ``val_before_train``, unless resuming); checkpoints every
-        ``trainer.save_freq`` steps and at the end. Returns the last validation metrics.
+        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(position)``
+        yields the batches from data position ``position`` on (batches consumed before: the step, unless dynamic
+        sampling consumed extra ones). Validates every ``trainer.test_freq`` steps and at the end (and before
+        training with ``val_before_train``, unless resuming); checkpoints every ``trainer.save_freq`` steps and at
+        the end. Returns the last validation metrics.
 
         ``driver``: the object whose ``step(batch) -> metrics`` and ``validate(val_data) -> metrics`` run the
         algorithm (default: this PPO trainer); another driver passes itself and gets this loop."""
@@ -181,9 +224,9 @@ class PPOTrainer:
         if val_data is not None and cfg.val_before_train and start == 0:
             val_metrics = driver.validate(val_data)
             self.tracker.log(val_metrics, step=0)
-        for batch in train_batches(start):
-            if self.global_step >= total_steps:
-                break
+        self.set_data(train_batches)
+        while self.global_step < total_steps:
+            batch = self.next_batch()
             self.global_step += 1
             step_start = time.perf_counter()
             metrics = driver.step(batch)

@@ -123,10 +123,11 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
 
 
 def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
-    """``batches(start_step)``: the train batches from global step ``start_step`` on (an endless iterator over
-    epochs, each a permutation seeded by ``data.seed + epoch``, so the position is a pure function of the step
-    and a resumed run sees exactly the batches it would have seen); the whole validation set as one
-    left-padded DataProto; the number of steps per epoch.
+    """``batches(start_step)``: the train batches from batch position ``start_step`` on (an endless iterator over
+    epochs, each a permutation seeded by ``data.seed + epoch``, so the batches are a pure function of the
+    position and a resumed run sees exactly the batches it would have seen; the position is the global step
+    unless DAPO dynamic sampling consumed extra batches, and the trainer checkpoints it); the whole validation
+    set as one left-padded DataProto; the number of steps per epoch.
 
     Raises:
         DataError: see :func:`load_split`; also a ``data.train_batch_size`` above the number of train prompts.

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean
+from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean, overlong_reward_penalty
 from hybridflow.protocol import DataProto
+from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import WORKER_TIME_PREFIX
 
 
@@ -24,6 +25,18 @@ def apply_kl_penalty(data: DataProto, kl_ctrl, kl_penalty_type: str = "kl") -> d
     current_kl = masked_mean(kld, mask, axis=-1).mean().item()
     kl_ctrl.update(current_kl=current_kl, n_steps=len(data))
     return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def apply_overlong_penalty(data: DataProto, max_response_length: int, buffer_len: int, penalty_factor: float) -> None:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; :func:`~hybridflow.algorithms.overlong_reward_penalty`)
+    of each response's length (the valid tokens of ``response_mask`` (B, R), never the prompt), added to
+    ``token_level_scores`` (B, R) on the response's last valid token; the penalties are kept as
+    ``overlong_penalty`` (B,) fp32. In place."""
+    mask = data.batch["response_mask"]
+    penalty = overlong_reward_penalty(mask.sum(-1), max_response_length, buffer_len, penalty_factor)
+    data.batch["overlong_penalty"] = penalty
+    data.batch["token_level_scores"] = data.batch["token_level_scores"] + place_scores(penalty, mask).to(
+        data.batch["token_level_scores"].device)
 
 
 def compute_advantage(data: DataProto, algorithm_config) -> None:
@@ -50,8 +63,9 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def compute_data_metrics(data: DataProto) -> dict[str, float]:
-    """Batch statistics logged every step: scores, rewards, advantages, returns, values, lengths, KL to the
-    reference, entropy and ``rollout/logprob_diff_max`` (max |sampling logprob - recomputed old logprob| over
+    """Batch statistics logged every step: scores, rewards, advantages, returns, values, lengths, the fraction of
+    truncated responses (``response_length/clip_ratio``), DAPO's overlong penalty (mean, fraction penalised), KL
+    to the reference, entropy and ``rollout/logprob_diff_max`` (max |sampling logprob - recomputed old logprob| over
     valid tokens: 0 up to numerics when the rollout and the actor compute the same distribution)."""
     b = data.batch
     mask = b["response_mask"].bool()
@@ -67,7 +81,12 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
     metrics.update(_stats("prompt_length", b["attention_mask"][:, : -mask.shape[1]].float().sum(-1)))
     if "reward_error" in b:
         metrics["reward/errors"] = float(b["reward_error"].sum())
-    metrics["response_length/clip_ratio"] = (maskf.sum(-1) >= mask.shape[1]).float().mean().item()
+    # responses cut by the length limit: the rollout's flag (eos-aware), else those that filled every slot
+    truncated = b["truncated"] if "truncated" in b else maskf.sum(-1) >= mask.shape[1]
+    metrics["response_length/clip_ratio"] = truncated.float().mean().item()
+    if "overlong_penalty" in b:
+        metrics["dapo/overlong_penalty_mean"] = b["overlong_penalty"].mean().item()
+        metrics["dapo/overlong_penalised_frac"] = (b["overlong_penalty"] < 0).float().mean().item()
     if "ref_log_prob" in b:
         kl = b["old_log_probs"] - b["ref_log_prob"]
         metrics["rollout/kl"] = masked_mean(kl, maskf).item()

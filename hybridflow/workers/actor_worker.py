@@ -120,7 +120,9 @@ class ActorRolloutRefWorker(Worker):
             module = parallelize_model(module.to(self.device), mesh)
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
-            self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad)
+            scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
+            self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad,
+                                  loss_scale_factor=scale)
         if self._has_rollout:
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path

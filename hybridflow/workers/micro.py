@@ -58,15 +58,22 @@ def mini_batches(data: DataProto, mini_size: int, epochs: int, shuffle: bool, se
         yield from data.split(mini_size)
 
 
-def global_agg_kwargs(mini: DataProto, response_length: int) -> dict:
-    """``agg_loss`` normalisers for one mini-batch: totals over all dp ranks divided by the dp size."""
+def global_agg_kwargs(mini: DataProto, loss_scale_factor: float, loss_mask: torch.Tensor | None = None,
+                      loss_rows: torch.Tensor | None = None) -> dict:
+    """``agg_loss`` normalisers for one mini-batch: totals over all dp ranks divided by the dp size.
+
+    ``num_tokens`` counts the ones of ``loss_mask`` (B, R) (default ``response_mask``), ``num_seqs`` the True
+    rows of ``loss_rows`` (B,) (default every row); ``loss_scale_factor`` is passed through (the constant L of
+    ``seq-mean-token-sum-norm``). A total of 0 (every token masked out, e.g. all responses overlong-filtered)
+    becomes 1: the numerators are then 0 too, so the loss is 0 with zero gradients instead of an error or NaN."""
     dp = dist.get_world_size() if dist.is_initialized() else 1
-    local = torch.tensor([mini.batch["response_mask"].sum().item(), float(len(mini))])
-    total = all_reduce_sum(local)
+    mask = mini.batch["response_mask"] if loss_mask is None else loss_mask
+    rows = float(len(mini)) if loss_rows is None else float(loss_rows.sum().item())
+    total = all_reduce_sum(torch.tensor([float(mask.sum().item()), rows]))
     return {
-        "num_tokens": float(total[0]) / dp,
-        "num_seqs": float(total[1]) / dp,
-        "loss_scale_factor": float(response_length),
+        "num_tokens": max(float(total[0]), 1.0) / dp,
+        "num_seqs": max(float(total[1]), 1.0) / dp,
+        "loss_scale_factor": float(loss_scale_factor),
     }
 
 

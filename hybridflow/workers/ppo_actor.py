@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits
+from hybridflow.algorithms import (agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits,
+                                   overlong_filter_mask)
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
@@ -30,13 +31,17 @@ class PPOActor:
         nonfinite_grad: ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
             ``actor/skipped_steps``); ``error`` raises ``FloatingPointError`` instead. Either way the
             non-finite gradient never reaches the weights.
+        loss_scale_factor: the constant L of ``loss_agg_mode=seq-mean-token-sum-norm`` (Dr. GRPO); the worker
+            passes ``actor.loss_scale_factor`` or ``data.max_response_length``. None: the response width R of
+            the batch.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer, config, sampling: SamplingSpec,
-                 nonfinite_grad: str = "skip") -> None:
+                 nonfinite_grad: str = "skip", loss_scale_factor: float | None = None) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
         self.module = module
+        self.loss_scale_factor = loss_scale_factor
         self.nonfinite_grad = nonfinite_grad
         self.optimizer = optimizer
         self.config = config
@@ -70,7 +75,8 @@ class PPOActor:
         ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``; ``rollout_log_probs``, passed to
         the policy loss when present, for ``aipo`` and ``tis_imp_ratio_cap``). ``mini_batch_size`` is
         in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
-        normalisation of :mod:`hybridflow.workers.micro`. A non-finite gradient norm skips the step (counted in
+        normalisation of :mod:`hybridflow.workers.micro`. With ``actor.overlong_filter`` the loss (policy, entropy
+        and KL terms) counts only responses whose ``truncated`` flag (B,) is False (:meth:`_loss_mask`). A non-finite gradient norm skips the step (counted in
         ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks; with ``rollout_log_probs``
         also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
         ``actor/is_weight_mean``, ``actor/is_weight_max`` and ``actor/is_weight_min`` (max/min over micro-batches,
@@ -83,12 +89,13 @@ class PPOActor:
         sums: dict[str, float] = {}
         n_minis = 0
         for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            agg_kwargs = global_agg_kwargs(mini, mini.batch["responses"].shape[1])
+            scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
+            agg_kwargs = global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
             self.optimizer.zero_grad(set_to_none=True)
             stats: dict[str, float] = {}
             for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
                 b = micro.batch
-                mask = b["response_mask"]
+                mask, _ = self._loss_mask(b)
                 need_entropy = cfg.entropy_coeff != 0
                 log_prob, entropy = self._log_prob(micro, need_entropy)
                 pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
@@ -125,6 +132,22 @@ class PPOActor:
         metrics = all_reduce_mean({k: v / max(n_minis, 1) for k, v in sums.items()})
         metrics["actor/skipped_steps"] = float(self.skipped_steps)
         return metrics
+
+
+    def _loss_mask(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (B, R) mask of the tokens in the loss and the (B,) bool rows counted as sequences (None: all rows):
+        ``response_mask`` and every row, or with ``actor.overlong_filter`` those of the responses that were not
+        truncated (DAPO's overlong filtering, :func:`~hybridflow.algorithms.overlong_filter_mask`).
+
+        Raises:
+            KeyError: ``overlong_filter`` is on and the batch has no ``truncated`` flag from the rollout.
+        """
+        if not self.config.overlong_filter:
+            return batch["response_mask"], None
+        if "truncated" not in batch:
+            raise KeyError("actor.overlong_filter=true needs the rollout's per-response 'truncated' flag (B,) in "
+                           f"the batch; got keys {sorted(batch.keys())}")
+        return overlong_filter_mask(batch["response_mask"], batch["truncated"])
 
 
 def _add(d: dict[str, float], key: str, value: float) -> None:

@@ -148,3 +148,24 @@ def test_registry_and_errors():
         compute_policy_loss_gspo(old, new, adv, mask, config=None)
     with pytest.raises(ValueError, match="shape mismatch"):
         compute_policy_loss_gspo(old, new, adv[:, :2], mask, config=CFG)
+
+
+def test_sequence_ratio_is_the_length_normalised_likelihood_ratio_of_the_paper():
+    # GSPO (arXiv 2507.18071, eq. 7): s_i = (pi(y_i|x) / pi_old(y_i|x)) ** (1 / |y_i|), sequence likelihoods being
+    # products of token probabilities. Seq 0: new token probs [0.6, 0.3], old [0.5, 0.4]: likelihoods 0.18 / 0.20,
+    # s = 0.9 ** 0.5 = 0.9486833, inside [0.8, 1.2]. Seq 1: one token, 0.9 / 0.5 = 1.8 > 1.2, A = +1: clipped to 1.2.
+    # Loss = -(1/G) sum_i min(s_i A_i, clip(s_i) A_i) = -(0.9486833 + 1.2) / 2; an unclipped sequence's tokens get
+    # d loss / d log pi = -A s / (|y| G) = -0.9486833 / 4, the clipped one 0.
+    new_p = torch.tensor([[0.6, 0.3], [0.9, 0.7]])
+    old_p = torch.tensor([[0.5, 0.4], [0.5, 0.1]])  # seq 1's second slot is padding
+    new = new_p.log().requires_grad_()
+    mask = torch.tensor([[1, 1], [1, 0]])
+    cfg = ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss, clipfrac, _, _ = compute_policy_loss_gspo(old_p.log(), new, torch.ones(2, 2), mask, config=cfg)
+    s0 = 0.9 ** 0.5
+    assert s0 == pytest.approx(0.9486833, abs=1e-7)
+    assert loss.item() == pytest.approx(-(s0 + 1.2) / 2, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(1 / 3)  # seq 1's one valid token of the 3
+    loss.backward()
+    assert new.grad.tolist()[0] == pytest.approx([-s0 / 4, -s0 / 4], abs=1e-6)
+    assert new.grad.tolist()[1] == [0.0, 0.0]

@@ -23,7 +23,8 @@ def test_default_driver_is_ppo_and_the_quickstart_is_unchanged():
 @pytest.mark.parametrize("recipe, driver, estimator, critic", [
     ("grpo_quickstart", "ppo", "grpo", False), ("rloo_quickstart", "ppo", "rloo", False),
     ("reinforce_pp_quickstart", "ppo", "reinforce_plus_plus", False), ("remax_quickstart", "remax", "remax", False),
-    ("safe_rlhf_quickstart", "safe_rlhf", "gae", True), ("async_grpo_quickstart", "async", "grpo", False)])
+    ("safe_rlhf_quickstart", "safe_rlhf", "gae", True), ("async_grpo_quickstart", "async", "grpo", False),
+    ("dapo_quickstart", "ppo", "grpo", False), ("drgrpo_quickstart", "ppo", "grpo", False)])
 def test_recipes_select_their_driver(recipe, driver, estimator, critic):
     cfg = load_config(recipe)
     assert (cfg.algorithm.driver, cfg.algorithm.adv_estimator, need_critic(cfg)) == (driver, estimator, critic)
@@ -133,3 +134,42 @@ def test_lagrangian_lambda_min_is_a_floor_below_lambda_init():
                         "(1.0)] (0: no floor)"]
     assert _problems("safe_rlhf_quickstart", "algorithm.lagrangian.lambda_min=-1")[0].startswith(
         "algorithm.lagrangian.lambda_min (-1.0)")
+def test_dapo_and_drgrpo_recipes_set_their_methods():
+    dapo = load_config("dapo_quickstart")
+    actor = dapo.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert dapo.algorithm.filter_groups.enable and dapo.algorithm.filter_groups.metric == "acc"
+    assert dapo.reward_model.overlong_buffer.enable and dapo.reward_model.overlong_buffer.len == 8
+    drgrpo = load_config("drgrpo_quickstart")
+    assert drgrpo.actor_rollout_ref.actor.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert drgrpo.actor_rollout_ref.actor.loss_scale_factor is None  # -> data.max_response_length
+    assert not drgrpo.algorithm.norm_adv_by_std_in_grpo
+
+
+def test_dapo_keys_are_checked_at_load():
+    problems = _problems("grpo_quickstart", "algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1",
+                         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=40",
+                         "reward_model.overlong_buffer.penalty_factor=-1", "actor_rollout_ref.actor.loss_scale_factor=0",
+                         "algorithm.filter_groups.metric=accuracy", "algorithm.filter_groups.on_limit=skip",
+                         "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    assert "reward_model.overlong_buffer.penalty_factor: must be >= 0, got -1.0" in problems
+    assert "actor_rollout_ref.actor.loss_scale_factor: must be null or > 0, got 0.0" in problems
+    assert "algorithm.filter_groups.metric: 'accuracy' is not one of acc, score, seq_reward" in problems
+    assert any(p.startswith("algorithm.filter_groups.on_limit: 'skip' is not one of error, train") for p in problems)
+    assert any(p.startswith("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2")
+               for p in problems)
+    assert "reward_model.overlong_buffer.len must be in [1, data.max_response_length=32] when " \
+           "reward_model.overlong_buffer.enable=true, got 40" in problems
+    assert len(problems) == 6
+
+
+def test_dapo_pieces_name_the_drivers_that_run_them():
+    problems = _problems("remax_quickstart", "algorithm.filter_groups.enable=true",
+                         "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+                         "actor_rollout_ref.rollout.n=2", "data.train_batch_size=32",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=16")
+    assert any("filter_groups.enable=true (DAPO dynamic sampling) is supported by the ppo driver, got "
+               "algorithm.driver=remax" in p for p in problems)
+    assert any("overlong_buffer.enable=true is supported by the drivers ppo and async, got algorithm.driver=remax"
+               in p for p in problems)

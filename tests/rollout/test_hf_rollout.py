@@ -203,6 +203,19 @@ def test_eos_stops_rows_and_masks(pad_is_eos):
         assert tokens[length:] == [pad] * (8 - length)
         assert (out.batch["rollout_log_probs"][row, length:] == 0).all()
     assert out.meta_info["num_generated_tokens"] == sum(lengths)
+    # truncated: the eos-free run emitted none of the eos ids in its 8 tokens (the length limit cut the row)
+    assert out.batch["truncated"].tolist() == [not set(row) & set(eos_ids) for row in free.tolist()]
+
+
+def test_truncated_flag_by_hand():
+    from hybridflow.rollout.batching import truncated_responses
+
+    eos = [7, 9]
+    responses = torch.tensor([[1, 2, 3], [1, 2, 9], [1, 7, PAD], [4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+    # full without eos -> truncated; eos in the last slot -> finished; ended early -> finished
+    assert truncated_responses(responses, mask, eos).tolist() == [True, False, False, True]
+    assert truncated_responses(responses, mask, torch.tensor(eos)).tolist() == [True, False, False, True]
 
 
 def test_eos_from_meta_info_is_added_to_constructor_ids():

@@ -72,6 +72,22 @@ def test_ppo_family_recipe_runs_critic_free(recipe, ray_session, tmp_path):
     assert all(math.isfinite(r["critic/advantages/mean"]) for r in train)
 
 
+def test_dapo_recipe_runs_dynamic_sampling_and_overlong_filtering(ray_session, tmp_path):
+    # 6 response tokens: the tiny model's answers (~12 tokens) are cut, so most responses are truncated and
+    # score 0; filtering masks them out of the loss
+    run_ppo(load_config("dapo_quickstart", SHORT + [
+        f"trainer.default_local_dir={tmp_path}", "data.max_response_length=6", "reward_model.overlong_buffer.len=2",
+        "actor_rollout_ref.actor.overlong_filter=true"]))
+    train = [r for r in _metrics(tmp_path) if "actor/pg_loss" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        assert 1 <= r["dapo/gen_batches"] <= 3 and r["response_length/clip_ratio"] > 0
+        assert r["dapo/overlong_penalty_mean"] < 0  # truncated responses sit at the end of the buffer
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"])
+        if r["response_length/clip_ratio"] == 1.0:  # every response truncated: nothing in the loss
+            assert r["actor/pg_loss"] == 0.0 and r["actor/grad_norm"] == 0.0
+
+
 def _reference_rewards(greedy, non_tensor, score_model_path):
     """Rule score + score-model score of each greedy response, computed in this process: decode the valid
     response tokens and score them with the GSM8K rule; run the scorer on each unpadded sequence alone."""
