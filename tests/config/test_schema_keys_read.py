@@ -8,7 +8,7 @@ ends with at least the last two components of ``K`` and, where it names more, th
 whose earlier component is another schema section (``...actor.fsdp_config.param_offload``) does not read
 ``critic.fsdp_config.param_offload``, while one rooted at a function argument reads every key it could stand
 for; a single component after the root counts only on a config-named root (``optim_config.lr``,
-``cfg.ppo_epochs``; not ``tensor.device`` or ``gsm8k.compute_score``). ``config/schema.py`` and ``config/loader.py`` do not count: validation is not use.
+``cfg.ppo_epochs``; not ``tensor.device`` or ``gsm8k.compute_score``). ``config/schema.py``, ``config/loader.py`` and ``config/checks.py`` do not count: validation is not use.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hybridflow.config.loader import ConfigError
 from hybridflow.config.schema import HybridFlowConfig
 
 PACKAGE = Path(hybridflow.__file__).resolve().parent
-NOT_USE = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "loader.py"}
+NOT_USE = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "loader.py", PACKAGE / "config" / "checks.py"}
 
 # Keys read only dynamically or not yet applied by design, each checked by hand (keep this list short):
 EXEMPT = {
@@ -40,7 +40,7 @@ EXEMPT = {
     "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
     # read as self.config[self.role].micro_batch_size_per_gpu in hybridflow/workers/rm_worker.py
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
-    # read by hybridflow.config.need_critic (loader.py), which trainer/setup.py calls to build the critic
+    # read by hybridflow.config.need_critic (config/checks.py), which trainer/setup.py calls to build the critic
     "critic.enable",
 }
 
