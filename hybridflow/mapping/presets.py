@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.mapping.cost import CostParams
-from hybridflow.mapping.specs import SpecError
+from hybridflow.mapping.specs import lookup_preset
 
 __all__ = ["COST_PRESETS", "KNOBS", "Knob", "PAPER_SOURCES", "get_cost_preset"]
 
@@ -103,7 +103,4 @@ def get_cost_preset(name: str) -> CostParams:
     Raises:
         SpecError: unknown name; the message lists the presets.
     """
-    for key, params in COST_PRESETS.items():
-        if key.lower() == name.lower():
-            return params
-    raise SpecError(f"unknown cost preset {name!r}; presets: {', '.join(COST_PRESETS)}")
+    return lookup_preset(COST_PRESETS, name, "cost preset")

@@ -80,16 +80,25 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
 }
 
 
+def lookup_preset(presets: dict, name: str, what: str):
+    """``presets[name]``, the name compared case-insensitively.
+
+    Raises:
+        SpecError: unknown name; the message says ``what`` it is and lists the presets.
+    """
+    for key, value in presets.items():
+        if key.lower() == name.lower():
+            return value
+    raise SpecError(f"unknown {what} {name!r}; presets: {', '.join(presets)}")
+
+
 def get_device(name: str) -> DeviceSpec:
     """The preset device ``name`` (case-insensitive).
 
     Raises:
         SpecError: unknown name; the message lists the presets.
     """
-    for key, spec in DEVICE_PRESETS.items():
-        if key.lower() == name.lower():
-            return spec
-    raise SpecError(f"unknown device {name!r}; presets: {', '.join(DEVICE_PRESETS)}")
+    return lookup_preset(DEVICE_PRESETS, name, "device")
 
 
 @dataclass(frozen=True)
