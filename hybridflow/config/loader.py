@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.models.lora import lora_problems
 from hybridflow.utils.tracking import BACKEND_PACKAGES as LOGGER_PACKAGES
 from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 
@@ -386,7 +387,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: _logger_problems(get("trainer.logger")), lambda: _vllm_problems(get),
                lambda: _driver_problems(get), lambda: _score_model_problems(get), lambda: _reward_fn_problems(get),
                lambda: _strategy_problems(get("actor_rollout_ref.actor.strategy")),
-               lambda: _parallel_layout_problems(get)]
+               lambda: _parallel_layout_problems(get), lambda: lora_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:
