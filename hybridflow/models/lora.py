@@ -121,6 +121,16 @@ def merge_lora_stream(items: Iterable[tuple[str, torch.Tensor]], scaling: float,
         raise ValueError(f"LoRA base weights without adapters in the state: {sorted(pending)[:3]}")
 
 
+def merged_names(items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """The ``(base name, tensor)`` entries :func:`merge_lora_stream` yields, in its order, without computing a merge
+    (shapes and dtypes only are meaningful: the base weight stands for its merged weight; no data is read)."""
+    for name, tensor in items:
+        if "lora_" in name:
+            continue
+        name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        yield name.replace(".base_layer.", "."), tensor
+
+
 def adapter_items(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Only the adapter tensors (``lora_A`` / ``lora_B``) of a peft-named full state, names unchanged.
 
@@ -194,3 +204,56 @@ def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[
                         f"only (rollout.name={rollout}, algorithm.driver={get('algorithm.driver')}): use "
                         "lora_sync=merged")
     return problems
+
+
+PROBE_LENGTH = 16  # tokens of the fixed sync probe
+PROBE_ATOL = {"float32": 1e-4}  # max |trainer - rollout| greedy logprob on the probe; other dtypes: PROBE_ATOL_LOW
+PROBE_ATOL_LOW = 5e-2  # bf16/fp16: merged weights are rounded once more than the trainer's W x + s B A x
+
+
+def probe_ids(vocab_size: int, device: Any) -> "torch.Tensor":
+    """The fixed sync probe: (1, PROBE_LENGTH) int64 token ids spread over the vocabulary."""
+    import torch
+
+    return (torch.arange(PROBE_LENGTH, device=device) * 7919 + 3).remainder(vocab_size).unsqueeze(0)
+
+
+def greedy_logprobs(module: "torch.nn.Module", ids: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Next-token argmax ids (1, L) int64 and their logprobs (1, L) fp32 of ``module`` on ``ids`` (eval mode,
+    no grad). A sharded (FSDP2) module must be called on every rank of its mesh."""
+    import torch
+
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(module(input_ids=ids).logits.float(), dim=-1)
+    module.train(was_training)
+    best, tokens = logprobs.max(dim=-1)
+    return tokens, best
+
+
+def verify_sync(trainer: "torch.nn.Module", rollout: "torch.nn.Module", vocab_size: int) -> dict[str, float]:
+    """Check that ``rollout`` generates from the trainer's current policy: the greedy logprobs of both on the fixed
+    probe agree within :data:`PROBE_ATOL` (fp32) or :data:`PROBE_ATOL_LOW`. Every rank of the trainer's mesh
+    calls this (the trainer's forward is sharded).
+
+    Returns:
+        ``sync/verified`` (1.0), ``sync/probe_max_abs_diff`` and ``sync/probe_logprob_sum`` (the trainer's probe
+        value, which moves with every update).
+
+    Raises:
+        RuntimeError: the rollout's probe differs from the trainer's (its weights did not arrive).
+    """
+    device = next(rollout.parameters()).device
+    ids = probe_ids(vocab_size, device)
+    trainer_tokens, trainer_lp = greedy_logprobs(trainer, ids)
+    rollout_tokens, rollout_lp = greedy_logprobs(rollout, ids)
+    diff = float((trainer_lp - rollout_lp.to(trainer_lp.device)).abs().max())
+    dtype = str(next(rollout.parameters()).dtype).removeprefix("torch.")
+    atol = PROBE_ATOL.get(dtype, PROBE_ATOL_LOW)
+    if not diff <= atol:
+        raise RuntimeError(f"LoRA weight sync failed: the rollout's greedy logprobs on the probe differ from the "
+                           f"trainer's by {diff:.3g} (> {atol:g}); the rollout is not generating from the updated "
+                           "policy")
+    return {"sync/verified": 1.0, "sync/probe_max_abs_diff": diff,
+            "sync/probe_logprob_sum": float(trainer_lp.sum())}

@@ -110,8 +110,10 @@ class PPOTrainer:
         with timer("step", t):
             with timer("gen", t):
                 gen = self.actor.generate_sequences(prompts)
+            sync = gen.meta_info.pop("sync_metrics", {})  # LoRA: the rollout's weights checked (sync/verified)
             batch = batch.repeat(n, interleave=True).union(gen)
             metrics = self.train_on(batch, t)
+            metrics.update(sync)
         return self.step_metrics(batch, metrics, t)
 
     def train_on(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
