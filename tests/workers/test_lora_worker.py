@@ -49,7 +49,12 @@ def _prompts() -> DataProto:
 
 def _base_log_probs(batch: DataProto) -> torch.Tensor:
     """Logprobs (B, R) of the responses under a freshly loaded base model (no peft, no FSDP)."""
-    model = load_causal_lm("builtin:tiny-arith", torch.float32).eval()
+    return _log_probs(load_causal_lm("builtin:tiny-arith", torch.float32), batch)
+
+
+def _log_probs(model: torch.nn.Module, batch: DataProto) -> torch.Tensor:
+    """Logprobs (B, R) fp32 of ``batch``'s responses under ``model`` (plain forward, log_softmax, gather)."""
+    model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
                        position_ids=batch.batch["position_ids"]).logits.float()
@@ -66,16 +71,36 @@ def _train_batch(worker, gen: DataProto) -> DataProto:
     return batch
 
 
-def _rank(rank: int, port: int, sync: str, noop: bool, out: str) -> None:
+def _adapters(worker) -> dict[str, torch.Tensor]:
+    from hybridflow.distributed import iter_full_state
+
+    return {k: v.clone() for k, v in iter_full_state(worker.actor.module) if "lora_" in k}
+
+
+def _resume(worker, out: str) -> None:
+    """Restore the checkpoint after step 1 and train step 2 on the saved batch: the adapters must equal the
+    uninterrupted run's (optimizer moments and lr schedule restored too, or Adam's second step differs)."""
+    worker.load_checkpoint(os.path.join(out, "ckpt"))
+    worker.update_actor(torch.load(os.path.join(out, "batch2.pt"), weights_only=False))
+    adapters = _adapters(worker)  # every rank takes part in the gathers
+    if worker.rank == 0:
+        torch.save(adapters, os.path.join(out, "resumed.pt"))
+
+
+def _rank(rank: int, port: int, sync: str, mode: str, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from hybridflow.rollout.hf_rollout import HFRollout
     from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 
-    if noop:
+    if mode == "noop":
         HFRollout.load_weights = lambda self, weights: None  # a sync that never delivers
     worker = ActorRolloutRefWorker(_config(sync))
     worker.init_model(total_training_steps=4)
+    if mode == "resume":
+        _resume(worker, out)
+        torch.distributed.destroy_process_group()
+        return
     result = {"trainable": sorted(n for n, p in worker.actor.module.named_parameters() if p.requires_grad),
               "optim_params": sum(len(g["params"]) for g in worker.actor.optimizer.param_groups)}
     prompts = _prompts()
@@ -99,15 +124,28 @@ def _rank(rank: int, port: int, sync: str, noop: bool, out: str) -> None:
         result["input_ids1"], result["attention_mask1"] = gen1.batch["input_ids"], gen1.batch["attention_mask"]
         result["position_ids1"] = gen1.batch["position_ids"]
         result["rollout_lp0"] = gen0.batch["rollout_log_probs"]
+        worker.save_checkpoint(os.path.join(out, "ckpt"))  # after step 1
+        batch2 = _train_batch(worker, gen1)
+        batch2.meta_info["global_step"] = 1
+        if rank == 0:
+            torch.save(batch2, os.path.join(out, "batch2.pt"))
+        worker.update_actor(batch2)
+        result["adapters2"] = _adapters(worker)
     result["gen0_input_ids"], result["gen0_responses"] = gen0.batch["input_ids"], gen0.batch["responses"]
     result["gen0_attention_mask"], result["gen0_position_ids"] = gen0.batch["attention_mask"], gen0.batch["position_ids"]
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     torch.distributed.destroy_process_group()
 
 
-def _spawn(tmp_path, sync: str, noop: bool = False) -> dict:
-    mp.spawn(_rank, args=(_free_port(), sync, noop, str(tmp_path)), nprocs=WORLD, join=True)
-    return torch.load(tmp_path / "rank0.pt", weights_only=False)
+def _spawn(tmp_path, sync: str, mode: str = "train") -> dict:
+    mp.spawn(_rank, args=(_free_port(), sync, mode, str(tmp_path)), nprocs=WORLD, join=True)
+    return torch.load(tmp_path / ("resumed.pt" if mode == "resume" else "rank0.pt"), weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def merged_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lora_merged")
+    return path, _spawn(path, "merged")
 
 
 def _expected_adapter_names() -> int:
@@ -118,8 +156,8 @@ def _expected_adapter_names() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
-def test_lora_worker_trains_adapters_syncs_and_refs_base(tmp_path, sync):
-    res = _spawn(tmp_path, sync)
+def test_lora_worker_trains_adapters_syncs_and_refs_base(tmp_path, merged_run, sync):
+    res = merged_run[1] if sync == "merged" else _spawn(tmp_path, sync)
     linears = _expected_adapter_names()
     # only adapters require grad and have optimizer state
     assert len(res["trainable"]) == 2 * linears and all(".lora_A." in n or ".lora_B." in n for n in res["trainable"])
@@ -141,5 +179,34 @@ def test_lora_worker_trains_adapters_syncs_and_refs_base(tmp_path, sync):
 
 @pytest.mark.slow
 def test_lora_sync_that_delivers_nothing_fails_the_step(tmp_path):
-    res = _spawn(tmp_path, "merged", noop=True)
+    res = _spawn(tmp_path, "merged", mode="noop")
     assert "LoRA weight sync failed" in res.get("error", ""), res.keys()
+
+
+@pytest.mark.slow
+def test_lora_resume_equals_uninterrupted(merged_run):
+    path, res = merged_run
+    resumed = _spawn(path, "merged", mode="resume")
+    assert resumed.keys() == res["adapters2"].keys()
+    for name, value in res["adapters2"].items():
+        assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.slow
+def test_lora_export_merged_and_adapter_only(merged_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.export import export_checkpoint
+
+    path, res = merged_run
+    batch = DataProto.from_dict(tensors={"input_ids": res["input_ids1"], "attention_mask": res["attention_mask1"],
+                                         "position_ids": res["position_ids1"], "responses": res["responses1"]})
+    mask = res["mask1"].bool()
+    # the checkpoint is after step 1, the policy that trainer_lp1 was computed under
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(str(path / "ckpt"), str(tmp_path / "merged")))
+    adapter_dir = export_checkpoint(str(path / "ckpt"), str(tmp_path / "adapter"), adapter_only=True)
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    peft_model = PeftModel.from_pretrained(load_causal_lm("builtin:tiny-arith", torch.float32), adapter_dir)
+    for model in (merged, peft_model):
+        assert (_log_probs(model, batch) - res["trainer_lp1"])[mask].abs().max() <= 1e-5
