@@ -205,7 +205,10 @@ def test_lora_export_merged_and_adapter_only(merged_run, tmp_path):
     mask = res["mask1"].bool()
     # the checkpoint is after step 1, the policy that trainer_lp1 was computed under
     merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(str(path / "ckpt"), str(tmp_path / "merged")))
-    adapter_dir = export_checkpoint(str(path / "ckpt"), str(tmp_path / "adapter"), adapter_only=True)
+    from hybridflow.cli import main
+
+    adapter_dir = str(tmp_path / "adapter")
+    assert main(["export", str(path / "ckpt"), adapter_dir, "--adapter-only"]) == 0
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
     peft_model = PeftModel.from_pretrained(load_causal_lm("builtin:tiny-arith", torch.float32), adapter_dir)
     for model in (merged, peft_model):
