@@ -143,6 +143,9 @@ class ActorRolloutRefWorker(Worker):
                 self._build_hybrid_engine(mesh, rollout_cfg, eos)
             else:
                 self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
+                if self._lora and not isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
+                    logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
+                                   "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
             self.ref = PPOActor(self.actor.module, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
