@@ -160,13 +160,15 @@ def _run_eval(args: argparse.Namespace) -> int:
 def _add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="a global_step_<N> directory (or its actor/)")
     parser.add_argument("out", metavar="OUT_DIR", help="where to write the Hugging Face model directory")
+    parser.add_argument("--adapter-only", action="store_true",
+                        help="LoRA checkpoints: write the peft adapter directory instead of the merged model")
 
 
 def _run_export(args: argparse.Namespace) -> int:
     from hybridflow.models.export import export_checkpoint  # torch loads only from here on
 
     try:
-        print(export_checkpoint(args.checkpoint, args.out))
+        print(export_checkpoint(args.checkpoint, args.out, adapter_only=args.adapter_only))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

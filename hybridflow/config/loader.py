@@ -34,6 +34,7 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
                                       reward_fn_problems, score_model_problems, strategy_problems, vllm_problems)
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.models.lora import lora_problems
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
@@ -385,7 +386,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: logger_problems(get("trainer.logger")), lambda: vllm_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get("actor_rollout_ref.actor.strategy")),
-               lambda: parallel_layout_problems(get)]
+               lambda: parallel_layout_problems(get), lambda: lora_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

@@ -13,6 +13,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from hybridflow.models.lora import is_lora_checkpoint
+from hybridflow.models.lora_export import merged_state_dict, save_adapter
+
 HF_SUBDIR = "hf"
 
 
@@ -36,17 +39,30 @@ def load_actor_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
         return torch.load(target, weights_only=True)["model"]
 
 
-def export_checkpoint(checkpoint_dir: str, out_dir: str) -> str:
-    """Write ``out_dir`` loadable by ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer``.
+def export_checkpoint(checkpoint_dir: str, out_dir: str, adapter_only: bool = False) -> str:
+    """Write ``out_dir`` loadable by ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer``; a LoRA
+    checkpoint is merged (W + (alpha / r) B A), or with ``adapter_only`` written as a peft adapter directory
+    (see :mod:`hybridflow.models.lora_export`).
 
     Raises:
         FileNotFoundError: ``checkpoint_dir`` is not a checkpoint.
-        ValueError: the checkpoint's weights do not match the saved architecture (missing/unexpected names).
+        ValueError: the checkpoint's weights do not match the saved architecture (missing/unexpected names), or
+            ``adapter_only`` on a checkpoint trained without LoRA.
     """
     actor = _actor_dir(checkpoint_dir)
     hf = os.path.join(actor, HF_SUBDIR)
     config = AutoConfig.from_pretrained(hf)
+    lora = is_lora_checkpoint(hf)
+    if adapter_only and not lora:
+        raise ValueError(f"--adapter-only: {checkpoint_dir!r} was trained without LoRA "
+                         "(actor_rollout_ref.model.lora_rank=0); export it without --adapter-only")
     state = load_actor_state_dict(checkpoint_dir)
+    if adapter_only:
+        save_adapter(hf, state, config, out_dir)
+        AutoTokenizer.from_pretrained(hf).save_pretrained(out_dir)
+        return out_dir
+    if lora:
+        state = merged_state_dict(hf, state)
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]

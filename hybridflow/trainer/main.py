@@ -45,8 +45,8 @@ def run_ppo(config) -> dict:
     """
     import ray
 
-    _log_run_dir(config.trainer.default_local_dir)
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
+    _log_run_dir(config.trainer.default_local_dir)
     total = total_training_steps(config, steps_per_epoch)
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
     start = _prepare_run_dir(config, checkpoints, total)

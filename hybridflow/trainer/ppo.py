@@ -60,6 +60,7 @@ class PPOTrainer:
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.global_step = 0
         self.data_position = 0  # prompt batches consumed so far (== global_step without dynamic sampling)
+        self.sync_metrics: dict[str, float] = {}  # from the last generation: LoRA weight-sync checks (sync/*)
         self._batches = None  # the iterator of train batches, from data_position on (set by fit)
         self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
         self.checkpointed_groups = {"actor": actor, **({"critic": critic} if critic is not None else {})}
@@ -124,6 +125,8 @@ class PPOTrainer:
             else:
                 batch, metrics = self.generate_and_score(batch, t), {}
             metrics.update(self.train_on(batch, t, scored=True))
+            metrics.update(self.sync_metrics)  # LoRA: the rollout's weights checked (sync/verified)
+            self.sync_metrics = {}
         return self.step_metrics(batch, metrics, t)
 
     def set_data(self, train_batches: Callable[[int], Iterable[DataProto]]) -> None:
@@ -142,6 +145,7 @@ class PPOTrainer:
         prompts = self.pop_prompts(batch, seed_index=seed_index)
         with timer("gen", t):
             gen = self.actor.generate_sequences(prompts)
+        self.sync_metrics.update(gen.meta_info.pop("sync_metrics", {}))  # LoRA: the rollout's weights checked
         batch = batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
         self.score(batch, t)
         return batch

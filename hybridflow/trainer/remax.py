@@ -44,9 +44,11 @@ class ReMaxTrainer:
                 gen = self.actor.generate_sequences(prompts)
             with timer("gen_greedy", t):
                 baselines = self.greedy_baselines(prompts, batch)
+            sync = gen.meta_info.pop("sync_metrics", {})  # LoRA: the rollout's weights checked (sync/verified)
             batch = batch.repeat(n, interleave=True).union(gen)
             batch.batch["reward_baselines"] = baselines.repeat_interleave(n)
             metrics = self.ppo.train_on(batch, t)  # reward, ref, old logprobs, advantages, actor update
+            metrics.update(sync)
         metrics["remax/baseline_score/mean"] = baselines.mean().item()
         return self.ppo.step_metrics(batch, metrics, t)
 

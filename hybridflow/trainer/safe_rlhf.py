@@ -59,6 +59,7 @@ class SafeRLHFTrainer:
         with timer("step", t):
             with timer("gen", t):
                 gen = self.actor.generate_sequences(prompts)
+            sync = gen.meta_info.pop("sync_metrics", {})  # LoRA: the rollout's weights checked (sync/verified)
             batch = batch.repeat(n, interleave=True).union(gen)
             with timer("reward", t):
                 batch.union(self.reward.compute_rm_score(batch))
@@ -81,6 +82,7 @@ class SafeRLHFTrainer:
                 metrics.update({"cost_" + k: v for k, v in cost_metrics.items()})
             with timer("update_actor", t):
                 metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
+            metrics.update(sync)
         return self.ppo.step_metrics(batch, metrics, t)
 
     def lagrangian_advantages(self, batch: DataProto) -> dict[str, float]:

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 import warnings
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -31,6 +32,7 @@ from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, o
 from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model, resolve_dtype
 from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
+from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import get_rollout_class
@@ -93,6 +95,8 @@ class ActorRolloutRefWorker(Worker):
         self._weight_sync = None  # the transfer group to the async driver's generators (actor_ref)
         self._rollout_stale = True
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
+        self._lora = lora_lib.lora_enabled(config.actor_rollout_ref.model)  # actor wrapped by peft (README "LoRA")
+        self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -115,6 +119,8 @@ class ActorRolloutRefWorker(Worker):
         sampling = SamplingSpec.of(cfg.rollout.do_sample, cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
         if self._has_actor:
             module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
+            if self._lora:  # before FSDP2: only the adapters require grad, so only they get optimizer state
+                module = lora_lib.apply_lora(module, cfg.model)
             if cfg.model.enable_gradient_checkpointing:
                 module.gradient_checkpointing_enable()
             module = parallelize_model(module.to(self.device), mesh)
@@ -126,16 +132,25 @@ class ActorRolloutRefWorker(Worker):
         if self._has_rollout:
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
-            use_engine = cfg.rollout.name == "hf"  # the engine's generation model replaces a separate copy
+            # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
+            use_engine = cfg.rollout.name == "hf" and not self._lora
             if rollout_cls.needs_module and not use_engine:
-                rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
+                rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
+                if self._lora and cfg.rollout.lora_sync == "adapter":  # base + adapters, refreshed by A and B only
+                    rollout_module = lora_lib.apply_lora(rollout_module, cfg.model)
+                rollout_module = rollout_module.to(self.device)
             rollout_cfg = make_rollout_config(self.config)
             eos = get_eos_token_ids(path, self.tokenizer)
             if use_engine:
                 self._build_hybrid_engine(mesh, rollout_cfg, eos)
             else:
                 self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
-        if self._has_ref:
+                if self._lora and not isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
+                    logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
+                                   "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
+        if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
+            self.ref = PPOActor(self.actor.module, None, cfg.actor, SamplingSpec(sampling.temperature))
+        elif self._has_ref:
             ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             ref.requires_grad_(False)
             self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor,
@@ -182,8 +197,21 @@ class ActorRolloutRefWorker(Worker):
                 rollout_cfg, eos, pad = self._hf_rollout_args
                 self.rollout = get_rollout_class("hf")(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
         elif self._rollout_stale:
-            self.rollout.load_weights(iter_full_state(self.actor.module))
+            self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
+            if self._lora and isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
+                self.sync_metrics = lora_lib.verify_sync(self.actor.module, self.rollout.module,
+                                                         self.actor.module.config.vocab_size)
+
+    def _rollout_weights(self):
+        """``(name, full tensor)`` for the rollout: the actor's state; with LoRA, merged into the base names
+        (``rollout.lora_sync=merged``) or the adapters only (``adapter``). Every rank consumes it in lockstep."""
+        state = iter_full_state(self.actor.module)
+        if not self._lora:
+            return state
+        if self.config.actor_rollout_ref.rollout.lora_sync == "adapter":
+            return lora_lib.adapter_items(state)
+        return lora_lib.merge_lora_stream(state, lora_lib.lora_scaling(self.actor.module.peft_config["default"]))
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout")
     @report_time
@@ -194,6 +222,8 @@ class ActorRolloutRefWorker(Worker):
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
         out = self.rollout.generate_sequences(with_rank_seed(prompts, gen_dp_rank))
+        if self.sync_metrics:
+            out.meta_info["sync_metrics"] = self.sync_metrics
         if self.engine is not None:
             self.engine.check_lockstep(out.batch["responses"])
         out.meta_info.pop("seed", None)
@@ -214,7 +244,10 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
         micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
-        log_prob, _ = self.ref.compute_log_prob(data, micro)
+        # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
+        shares_actor = self._has_actor and self.ref.module is self.actor.module
+        with self.actor.module.disable_adapter() if shares_actor else nullcontext():
+            log_prob, _ = self.ref.compute_log_prob(data, micro)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
@@ -239,7 +272,8 @@ class ActorRolloutRefWorker(Worker):
         ``(name, shape, dtype)`` of every tensor :meth:`send_weights` sends, in order)."""
         host, _ = self.get_master_addr_port()
         self._sync_store = open_store(host, self.config.async_training.weight_sync_timeout_s)
-        self._sync_layout = layout_of(self.actor.module.state_dict().items())
+        items = self.actor.module.state_dict().items()
+        self._sync_layout = layout_of(lora_lib.merged_names(items) if self._lora else items)
         return host, self._sync_store.port, self._sync_layout
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -259,10 +293,10 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
         if self._weight_sync is None:  # ranks > 0 take part in the gathers only
-            for _ in iter_full_state(self.actor.module):
+            for _ in self._rollout_weights():
                 pass
             return {}
-        sent = self._weight_sync.send(iter_full_state(self.actor.module), self._sync_layout, bucket)
+        sent = self._weight_sync.send(self._rollout_weights(), self._sync_layout, bucket)
         seconds = time.perf_counter() - start
         logger.debug("sent weights of version %d: %d bytes in %.3fs", version, sent, seconds)
         return {"sync/weight_transfer_s": seconds, "sync/weight_transfer_bytes": float(sent)}
@@ -279,6 +313,8 @@ class ActorRolloutRefWorker(Worker):
             self.actor.module.config.save_pretrained(hf_dir)
             self.actor.module.generation_config.save_pretrained(hf_dir)
             self.tokenizer.save_pretrained(hf_dir)
+            if self._lora:  # marks the checkpoint as LoRA for `hybridflow export` (merged or --adapter-only)
+                lora_lib.save_adapter_config(self.actor.module, hf_dir, self.config.actor_rollout_ref.model.path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

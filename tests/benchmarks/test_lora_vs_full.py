@@ -1,0 +1,36 @@
+"""benchmarks/lora_vs_full.py: one small in-process run of each variant; the counts it reports are checked against
+the architecture (LoRA on a Linear (in -> out) adds r * (in + out) parameters) and AdamW's two moments per param."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from hybridflow.models.hf import load_causal_lm  # noqa: E402
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_vs_full.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("lora_vs_full", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_match_the_architecture():
+    bench = _module()
+    base = load_causal_lm("builtin:tiny-arith", torch.float32)
+    rank = 4
+    expected = sum(rank * (m.in_features + m.out_features) for n, m in base.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    lora = bench.run_variant("builtin:tiny-arith", rank, batch=2, steps=1)
+    full = bench.run_variant("builtin:tiny-arith", 0, batch=2, steps=1)
+    assert lora["trainable_params"] == expected
+    assert full["trainable_params"] == sum(p.numel() for p in base.parameters())  # unique (tied counted once)
+    for row in (lora, full):  # exp_avg + exp_avg_sq fp32 per trainable parameter (+ one scalar step per param)
+        assert row["optimizer_state_bytes"] >= 8 * row["trainable_params"]
+        assert row["optimizer_state_bytes"] < 8 * row["trainable_params"] + 8 * 1000

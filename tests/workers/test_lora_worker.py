@@ -1,0 +1,215 @@
+"""LoRA in the actor worker, 2 gloo ranks with FSDP2 (the real ``ActorRolloutRefWorker``, methods called directly
+on each rank): only adapters train, the reference is the base with adapters disabled, and after an update the hf
+rollout generates from the updated policy (merged weights and adapter-only sync), checked against the trainer's
+own logprobs; a sync that sends nothing is caught.
+
+Independent references: a separately loaded base model's logprobs (plain forward, log_softmax, gather), the
+trainer's recomputed logprobs of the rollout's greedy tokens, and the module counts of the base architecture.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("peft")
+
+from hybridflow.config import load_config  # noqa: E402
+from hybridflow.models.hf import load_causal_lm  # noqa: E402
+from hybridflow.protocol import DataProto  # noqa: E402
+
+B, P, R, WORLD = 4, 6, 6, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(sync: str):
+    return load_config(None, [
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        f"actor_rollout_ref.rollout.lora_sync={sync}", "actor_rollout_ref.rollout.do_sample=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=0.05", f"data.max_prompt_length={P}", f"data.max_response_length={R}",
+    ])
+
+
+def _prompts() -> DataProto:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 40, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[0, :2] = 0  # one left-padded row
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+def _base_log_probs(batch: DataProto) -> torch.Tensor:
+    """Logprobs (B, R) of the responses under a freshly loaded base model (no peft, no FSDP)."""
+    return _log_probs(load_causal_lm("builtin:tiny-arith", torch.float32), batch)
+
+
+def _log_probs(model: torch.nn.Module, batch: DataProto) -> torch.Tensor:
+    """Logprobs (B, R) fp32 of ``batch``'s responses under ``model`` (plain forward, log_softmax, gather)."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.batch["input_ids"], attention_mask=batch.batch["attention_mask"],
+                       position_ids=batch.batch["position_ids"]).logits.float()
+    logp = torch.log_softmax(logits[:, P - 1:-1], dim=-1)
+    return logp.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def _train_batch(worker, gen: DataProto) -> DataProto:
+    batch = DataProto.from_dict(tensors={k: gen.batch[k] for k in (
+        "input_ids", "attention_mask", "position_ids", "responses", "response_mask")})
+    batch.union(worker.compute_log_prob(batch))
+    batch.batch["advantages"] = torch.linspace(-1, 1, B)[:, None].expand(B, R).clone() * 5
+    batch.meta_info["global_step"] = 0
+    return batch
+
+
+def _adapters(worker) -> dict[str, torch.Tensor]:
+    from hybridflow.distributed import iter_full_state
+
+    return {k: v.clone() for k, v in iter_full_state(worker.actor.module) if "lora_" in k}
+
+
+def _resume(worker, out: str) -> None:
+    """Restore the checkpoint after step 1 and train step 2 on the saved batch: the adapters must equal the
+    uninterrupted run's (optimizer moments and lr schedule restored too, or Adam's second step differs)."""
+    worker.load_checkpoint(os.path.join(out, "ckpt"))
+    worker.update_actor(torch.load(os.path.join(out, "batch2.pt"), weights_only=False))
+    adapters = _adapters(worker)  # every rank takes part in the gathers
+    if worker.rank == 0:
+        torch.save(adapters, os.path.join(out, "resumed.pt"))
+
+
+def _rank(rank: int, port: int, sync: str, mode: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from hybridflow.rollout.hf_rollout import HFRollout
+    from hybridflow.workers.actor_worker import ActorRolloutRefWorker
+
+    if mode == "noop":
+        HFRollout.load_weights = lambda self, weights: None  # a sync that never delivers
+    worker = ActorRolloutRefWorker(_config(sync))
+    worker.init_model(total_training_steps=4)
+    if mode == "resume":
+        _resume(worker, out)
+        torch.distributed.destroy_process_group()
+        return
+    result = {"trainable": sorted(n for n, p in worker.actor.module.named_parameters() if p.requires_grad),
+              "optim_params": sum(len(g["params"]) for g in worker.actor.optimizer.param_groups)}
+    prompts = _prompts()
+    gen0 = worker.generate_sequences(prompts)
+    batch = _train_batch(worker, gen0)
+    result["ref0"] = worker.compute_ref_log_prob(batch).batch["ref_log_prob"]
+    worker.update_actor(batch)
+    result["optim_states"] = len(worker.actor.optimizer.state)
+    try:
+        gen1 = worker.generate_sequences(prompts)
+    except RuntimeError as exc:
+        result["error"] = str(exc)
+    else:
+        result["sync"] = gen1.meta_info.get("sync_metrics")
+        recheck = DataProto.from_dict(tensors={k: gen1.batch[k] for k in (
+            "input_ids", "attention_mask", "position_ids", "responses", "response_mask")})
+        result["responses1"], result["rollout_lp1"] = gen1.batch["responses"], gen1.batch["rollout_log_probs"]
+        result["mask1"] = gen1.batch["response_mask"]
+        result["trainer_lp1"] = worker.compute_log_prob(recheck).batch["old_log_probs"]
+        result["ref1"] = worker.compute_ref_log_prob(recheck).batch["ref_log_prob"]
+        result["input_ids1"], result["attention_mask1"] = gen1.batch["input_ids"], gen1.batch["attention_mask"]
+        result["position_ids1"] = gen1.batch["position_ids"]
+        result["rollout_lp0"] = gen0.batch["rollout_log_probs"]
+        worker.save_checkpoint(os.path.join(out, "ckpt"))  # after step 1
+        batch2 = _train_batch(worker, gen1)
+        batch2.meta_info["global_step"] = 1
+        if rank == 0:
+            torch.save(batch2, os.path.join(out, "batch2.pt"))
+        worker.update_actor(batch2)
+        result["adapters2"] = _adapters(worker)
+    result["gen0_input_ids"], result["gen0_responses"] = gen0.batch["input_ids"], gen0.batch["responses"]
+    result["gen0_attention_mask"], result["gen0_position_ids"] = gen0.batch["attention_mask"], gen0.batch["position_ids"]
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(tmp_path, sync: str, mode: str = "train") -> dict:
+    mp.spawn(_rank, args=(_free_port(), sync, mode, str(tmp_path)), nprocs=WORLD, join=True)
+    return torch.load(tmp_path / ("resumed.pt" if mode == "resume" else "rank0.pt"), weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def merged_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lora_merged")
+    return path, _spawn(path, "merged")
+
+
+def _expected_adapter_names() -> int:
+    """Linear modules of the base architecture except the output head: 'all-linear' puts A and B on each."""
+    base = load_causal_lm("builtin:tiny-arith", torch.float32)
+    return sum(isinstance(m, torch.nn.Linear) and name != "lm_head" for name, m in base.named_modules())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_lora_worker_trains_adapters_syncs_and_refs_base(tmp_path, merged_run, sync):
+    res = merged_run[1] if sync == "merged" else _spawn(tmp_path, sync)
+    linears = _expected_adapter_names()
+    # only adapters require grad and have optimizer state
+    assert len(res["trainable"]) == 2 * linears and all(".lora_A." in n or ".lora_B." in n for n in res["trainable"])
+    assert res["optim_params"] == 2 * linears and res["optim_states"] == 2 * linears
+    # reference = base with adapters disabled, before and after the update
+    for key, gen in (("ref0", "gen0_"), ("ref1", "")):
+        sfx = "" if gen else "1"
+        batch = DataProto.from_dict(tensors={
+            "input_ids": res[f"{gen}input_ids{sfx}"], "attention_mask": res[f"{gen}attention_mask{sfx}"],
+            "position_ids": res[f"{gen}position_ids{sfx}"], "responses": res[f"{gen}responses{sfx}"]})
+        assert torch.allclose(res[key], _base_log_probs(batch), atol=1e-6, rtol=0), key
+    # the rollout generates from the updated policy: its greedy tokens' logprobs equal the trainer's
+    mask = res["mask1"].bool()
+    assert res["sync"]["sync/verified"] == 1.0 and res["sync"]["sync/probe_max_abs_diff"] <= 1e-5
+    assert (res["rollout_lp1"] - res["trainer_lp1"])[mask].abs().max() <= 1e-5
+    # ... and that policy moved away from the base (the update reached the rollout, not only the trainer)
+    assert (res["trainer_lp1"] - res["ref1"])[mask].abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_sync_that_delivers_nothing_fails_the_step(tmp_path):
+    res = _spawn(tmp_path, "merged", mode="noop")
+    assert "LoRA weight sync failed" in res.get("error", ""), res.keys()
+
+
+@pytest.mark.slow
+def test_lora_resume_equals_uninterrupted(merged_run):
+    path, res = merged_run
+    resumed = _spawn(path, "merged", mode="resume")
+    assert resumed.keys() == res["adapters2"].keys()
+    for name, value in res["adapters2"].items():
+        assert torch.equal(resumed[name], value), name
+
+
+@pytest.mark.slow
+def test_lora_export_merged_and_adapter_only(merged_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.export import export_checkpoint
+
+    path, res = merged_run
+    batch = DataProto.from_dict(tensors={"input_ids": res["input_ids1"], "attention_mask": res["attention_mask1"],
+                                         "position_ids": res["position_ids1"], "responses": res["responses1"]})
+    mask = res["mask1"].bool()
+    # the checkpoint is after step 1, the policy that trainer_lp1 was computed under
+    merged = AutoModelForCausalLM.from_pretrained(export_checkpoint(str(path / "ckpt"), str(tmp_path / "merged")))
+    from hybridflow.cli import main
+
+    adapter_dir = str(tmp_path / "adapter")
+    assert main(["export", str(path / "ckpt"), adapter_dir, "--adapter-only"]) == 0
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    peft_model = PeftModel.from_pretrained(load_causal_lm("builtin:tiny-arith", torch.float32), adapter_dir)
+    for model in (merged, peft_model):
+        assert (_log_probs(model, batch) - res["trainer_lp1"])[mask].abs().max() <= 1e-5
