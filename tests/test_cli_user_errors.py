@@ -97,3 +97,70 @@ def test_programming_error_keeps_its_traceback(monkeypatch):
     monkeypatch.setitem(sys.modules, "hybridflow.trainer.main", module)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["train", "quickstart"])
+
+
+def _no_ray(monkeypatch) -> None:
+    import hybridflow.trainer.main as train_main
+
+    def no_ray(config):
+        raise AssertionError("Ray was started before the user error was reported")
+
+    monkeypatch.setattr(train_main, "init_ray", no_ray)
+
+
+def _one_error_line(capsys, *args: str) -> str:
+    assert main(["train", "quickstart", *SMALL, *args]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_a_file_that_is_not_parquet_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    _no_ray(monkeypatch)
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_text("not parquet at all\n")
+    err = _one_error_line(capsys, f"data.train_files={garbage}", f"trainer.default_local_dir={tmp_path / 'run'}")
+    assert "data.train_files" in err and str(garbage) in err and "not a readable parquet file" in err
+
+
+def test_a_directory_that_is_not_a_model_is_one_line_naming_the_key(tmp_path, capsys, monkeypatch):
+    _no_ray(monkeypatch)
+    (tmp_path / "notes.txt").write_text("no model here\n")
+    err = _one_error_line(capsys, f"actor_rollout_ref.model.path={tmp_path}", f"trainer.default_local_dir={tmp_path / 'run'}")
+    assert "actor_rollout_ref.model.path" in err and str(tmp_path) in err and "no loadable tokenizer" in err
+
+
+def test_a_run_directory_that_is_a_file_is_one_line_before_ray(tmp_path, capsys, monkeypatch):
+    _no_ray(monkeypatch)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    err = _one_error_line(capsys, f"trainer.default_local_dir={afile}")
+    assert f"trainer.default_local_dir={afile}" in err and "cannot create the run directory" in err
+
+
+def test_device_cuda_without_a_gpu_is_one_line_before_ray(tmp_path, capsys, monkeypatch):
+    import torch
+
+    if torch.cuda.device_count():
+        pytest.skip("this machine has a GPU")
+    _no_ray(monkeypatch)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    err = _one_error_line(capsys, "trainer.device=cuda", f"trainer.default_local_dir={tmp_path / 'run'}")
+    assert "trainer.device=cuda" in err and "no GPU" in err
+
+
+def test_a_run_that_fails_to_start_leaves_the_previous_metrics_in_place(tmp_path, capsys, monkeypatch):
+    """metrics.jsonl of a previous run is set aside only once the workers are up, not by a run that never starts."""
+    import hybridflow.trainer.main as train_main
+    from hybridflow.errors import UserError
+
+    def ray_fails(config):
+        raise UserError("the cluster could not be reached")
+
+    monkeypatch.setattr(train_main, "init_ray", ray_fails)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n')
+    _one_error_line(capsys, f"trainer.default_local_dir={run}")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "x": 1.0}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]

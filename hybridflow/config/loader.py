@@ -121,6 +121,8 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.loss_scale_factor",), lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
      lambda v: v >= 0, "must be >= 0"),
+    (("actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.val_kwargs.top_k"),
+     lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1"),
     (("trainer.ray_init.node_ip_address",), _is_ip, "must be an IP address of this machine (127.0.0.1: local only)"),
 ]
 

@@ -32,6 +32,7 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch.utils.data import Dataset
@@ -55,7 +56,8 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
 
     Raises:
         ValueError: ``files`` is an empty list.
-        DataError: a file lacks a required column (names the file and column) or has no rows (names the file).
+        DataError: a file is not parquet, lacks a required column (names the file and column) or has no rows (names
+            the file).
         FileNotFoundError: a file does not exist (names the file).
     """
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
@@ -66,7 +68,10 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"load_rows: parquet file not found: {path}")
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except pa.ArrowException as exc:  # not parquet, or damaged
+            raise DataError(f"{path} is not a readable parquet file ({type(exc).__name__}: {exc})") from None
         for column in ("data_source", prompt_key, "reward_model"):
             if column not in table.column_names:
                 raise DataError(f"{path} has no required column {column!r}; columns: {table.column_names}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hybridflow.errors import TrainingInterrupted
+from hybridflow.errors import TrainingInterrupted, UserError
 from hybridflow.trainer.async_rl import AsyncTrainer
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.ppo import PPOTrainer
@@ -46,7 +46,7 @@ def run_ppo(config) -> dict:
     import ray
 
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
-    _log_run_dir(config.trainer.default_local_dir)
+    _check_start(config)
     total = total_training_steps(config, steps_per_epoch)
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
     start = _prepare_run_dir(config, checkpoints, total)
@@ -65,6 +65,28 @@ def run_ppo(config) -> dict:
             ray.shutdown()
 
 
+def _check_start(config) -> None:
+    """What can be checked before Ray starts besides the data: the run directory can be made (and is logged), and
+    ``trainer.device=cuda`` has a GPU when the driver starts the cluster itself.
+
+    Raises:
+        UserError: the run directory is a file or cannot be created; ``cuda`` on a local machine without GPUs.
+    """
+    run_dir = config.trainer.default_local_dir
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"trainer.default_local_dir={run_dir}: cannot create the run directory "
+                        f"({exc.strerror or exc})") from None
+    _log_run_dir(run_dir)
+    joining = os.environ.get("RAY_ADDRESS") or config.trainer.ray_init.address
+    if config.trainer.device == "cuda" and not joining:
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            raise UserError("trainer.device=cuda, but this machine has no GPU (use trainer.device=auto or cpu)")
+
+
 def _log_run_dir(run_dir: str) -> None:
     """Say where the outputs go (the absolute path resolved at load), and warn when that is inside the temporary
     copy of the working directory that ``ray job submit --working-dir`` gives the driver (deleted with the job)."""
@@ -76,20 +98,17 @@ def _log_run_dir(run_dir: str) -> None:
 
 
 def _prepare_run_dir(config, checkpoints: CheckpointManager, total: int) -> int | None:
-    """Before Ray starts: find the checkpoint to resume (``trainer.resume_mode``), check that this config can resume
-    it, and leave ``metrics.jsonl`` with one row per step: rows after the checkpoint's step are dropped on resume; a
-    fresh run moves a previous run's file aside (``metrics.<time>.jsonl``). Returns the step the run starts from (0
-    for a fresh run), or None when the checkpoint is already at ``total`` steps (nothing to do; the directory is
-    left as it is).
+    """Before Ray starts: find the checkpoint to resume (``trainer.resume_mode``) and check that this config can
+    resume it. Returns the step the run starts from (0 for a fresh run), or None when the checkpoint is already at
+    ``total`` steps (nothing to do; the directory is left as it is). ``metrics.jsonl`` is left as it is until the
+    worker groups are up (:func:`_tidy_metrics`), so a run that fails to start changes nothing.
 
     Raises:
         IncompatibleCheckpointError: the checkpoint was written with an incompatible config (names the keys).
         FileNotFoundError: ``resume_mode`` names a path that is not a complete checkpoint.
     """
-    run_dir = config.trainer.default_local_dir
     resume_from = checkpoints.resolve(config.trainer.resume_mode)
     if resume_from is None:
-        set_metrics_aside(run_dir)
         return 0
     check_resume_config(config, resume_from)
     step = load_trainer_state(resume_from)["global_step"]
@@ -97,11 +116,20 @@ def _prepare_run_dir(config, checkpoints: CheckpointManager, total: int) -> int 
         logger.info("nothing to do: %s is at step %d of %d (resume_mode=%s)", resume_from, step, total,
                     config.trainer.resume_mode)
         return None
-    trim_metrics(run_dir, step)
     return step
 
 
+def _tidy_metrics(run_dir: str, start: int) -> None:
+    """Leave ``metrics.jsonl`` with one row per step: on resume (``start`` > 0) the rows after step ``start`` are
+    dropped; a fresh run moves a previous run's file aside (``metrics.<time>.jsonl``)."""
+    if start:
+        trim_metrics(run_dir, start)
+    else:
+        set_metrics_aside(run_dir)
+
+
 def _train(config, groups, train_batches, val_data, total: int, start: int) -> dict:
+    _tidy_metrics(config.trainer.default_local_dir, start)  # the workers are up: the run starts now
     tracker = RunProgress(Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,

@@ -16,7 +16,7 @@ from hybridflow.config import need_critic
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
-from hybridflow.errors import DataError
+from hybridflow.errors import DataError, UserError
 from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
@@ -122,6 +122,18 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
             ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+def _tokenizer(path: str, trust_remote_code: bool):
+    """:func:`load_tokenizer`, with a directory that is not a model reported in one line naming the key."""
+    try:
+        return load_tokenizer(path, trust_remote_code)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"actor_rollout_ref.model.path / tokenizer_path {path!r}: no loadable tokenizer there "
+                        f"({type(exc).__name__}: {reason})") from None
+
+
 def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
     """``batches(start_step)``: the train batches from batch position ``start_step`` on (an endless iterator over
     epochs, each a permutation seeded by ``data.seed + epoch``, so the batches are a pure function of the
@@ -131,10 +143,11 @@ def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto,
 
     Raises:
         DataError: see :func:`load_split`; also a ``data.train_batch_size`` above the number of train prompts.
+        UserError: the model (or tokenizer) directory holds no loadable tokenizer.
     """
     data = config.data
     model = config.actor_rollout_ref.model
-    tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
+    tokenizer = _tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
 
     train = load_split(config, tokenizer, "train")
     val = load_split(config, tokenizer, "val")
@@ -222,12 +235,12 @@ def _use_gpu(device: str) -> bool | None:
     (the workers reserve and see no GPU), cuda -> True.
 
     Raises:
-        ValueError: ``cuda`` on a Ray cluster without GPUs.
+        UserError: ``cuda`` on a Ray cluster without GPUs.
     """
     import ray
 
     if device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
-        raise ValueError("trainer.device=cuda, but the Ray cluster has no GPUs (use trainer.device=auto or cpu, "
+        raise UserError("trainer.device=cuda, but the Ray cluster has no GPUs (use trainer.device=auto or cpu, "
                          "or a cluster with GPUs)")
     return {"auto": None, "cpu": False, "cuda": True}[device]
 

@@ -279,3 +279,10 @@ def test_vllm_not_installed_gives_install_hint(monkeypatch, device, hint):
     assert problem.startswith("actor_rollout_ref.rollout.name: 'vllm' is not installed")
     assert hint in problem
 
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.val_kwargs.top_k"])
+@pytest.mark.parametrize("value", [-5, 0])
+def test_top_k_is_off_or_positive_at_load(key, value):
+    assert _problems(f"{key}={value}") == [f"{key}: must be -1 (off) or >= 1, got {value}"]
+    assert load_config("quickstart", [f"{key}=5"])  # a positive k and the -1 default load
