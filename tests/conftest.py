@@ -14,3 +14,22 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def repo_script():
+    """``load(relative_path)``: import a script of the repository that is not a package module (a benchmark, an
+    example) by its path from the repository root, and return the module."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def load(relative_path: str):
+        path = root / relative_path
+        spec = importlib.util.spec_from_file_location(f"repo_script_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

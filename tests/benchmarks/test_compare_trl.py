@@ -1,23 +1,12 @@
 """benchmarks/compare_trl.py is not run by the suite (it trains twice and needs the bench extra); this only imports
 it (TRL is imported inside its functions) and checks the arithmetic of its summary."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_trl.py"
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("compare_trl", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_imports_without_trl_and_summarises():
-    module = _module()
+def test_imports_without_trl_and_summarises(repo_script):
+    module = repo_script("benchmarks/compare_trl.py")
     assert callable(module.main) and callable(module.run_trl) and callable(module.run_hybridflow)
     summary = module._summary([2.0, 4.0], [60.0, 120.0], [0.5, 1.0])
     # 3 s per step; 90 generated tokens per step / 3 s

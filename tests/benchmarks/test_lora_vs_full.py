@@ -1,8 +1,6 @@
 """benchmarks/lora_vs_full.py: one small in-process run of each variant; the counts it reports are checked against
 the architecture (LoRA on a Linear (in -> out) adds r * (in + out) parameters) and AdamW's two moments per param."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +9,9 @@ pytest.importorskip("peft")
 
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_vs_full.py"
 
-
-def _module():
-    spec = importlib.util.spec_from_file_location("lora_vs_full", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_counts_match_the_architecture():
-    bench = _module()
+def test_counts_match_the_architecture(repo_script):
+    bench = repo_script("benchmarks/lora_vs_full.py")
     base = load_causal_lm("builtin:tiny-arith", torch.float32)
     rank = 4
     expected = sum(rank * (m.in_features + m.out_features) for n, m in base.named_modules()

@@ -1,36 +1,27 @@
 """The programs in examples/ run as written (a few short steps each, on the session's Ray)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHORT = ["data.train_batch_size=8", "data.builtin_val_size=8", "trainer.n_gpus_per_node=1",
          "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
          "trainer.total_training_steps=2", "trainer.logger=[jsonl]"]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_ppo_driver(ray_session, tmp_path, capsys):
-    result = _load("ppo_driver").main(SHORT + ["critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4",
-                                               f"trainer.default_local_dir={tmp_path}"])
+def test_ppo_driver(repo_script, ray_session, tmp_path, capsys):
+    driver = repo_script("examples/ppo_driver.py")
+    result = driver.main(SHORT + ["critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=4",
+                                  f"trainer.default_local_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "step 1 | reward" in out and "step 2 | reward" in out
     assert 0.0 <= result["before"] <= 1.0 and 0.0 <= result["after"] <= 1.0
 
 
-def test_custom_estimator(ray_session, tmp_path):
-    module = _load("custom_estimator")
+def test_custom_estimator(repo_script, ray_session, tmp_path):
+    module = repo_script("examples/custom_estimator.py")
     result = module.main(SHORT + [f"trainer.default_local_dir={tmp_path}", "trainer.test_freq=2"])
     assert "val/score" in result
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -5,8 +5,6 @@ Hand values: Llama-2-7B has 32 layers; A100-80G: 312 TFLOP/s, 2.0 TB/s.
 """
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -29,15 +27,7 @@ A100 = get_device("A100-80G")
 NODE = ClusterSpec(1, 8, A100)
 M7 = get_model("7B")
 ROLES = ("actor", "critic", "reference", "reward")
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "automap_paper_scale.py"
 L = 1e-4  # a layer overhead that is easy to multiply
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("automap_paper_scale", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_layer_passes_and_fixed_time():
@@ -173,8 +163,8 @@ def test_sensitivity_reports_the_knob_that_flips_a_placement():
     assert unchanged["robust"] and len(unchanged["checked"]) == 2
 
 
-def test_trend_check_logic():
-    bench = _bench()
+def test_trend_check_logic(repo_script):
+    bench = repo_script("benchmarks/automap_paper_scale.py")
 
     def row(size, gpus, kind):
         return {"model": size, "gpus": gpus, "chosen": {"kind": kind}}
@@ -188,16 +178,16 @@ def test_trend_check_logic():
 
 
 @pytest.mark.parametrize("size", ["7B", "13B"])
-def test_first_trend_colocate_all_at_16_gpus(size):
-    row = _bench().run_case(size, 16, get_cost_preset("a100-paper"), with_sensitivity=False)
+def test_first_trend_colocate_all_at_16_gpus(repo_script, size):
+    row = repo_script("benchmarks/automap_paper_scale.py").run_case(size, 16, get_cost_preset("a100-paper"), with_sensitivity=False)
     assert row["chosen"]["kind"] == "colocate"
 
 
 @pytest.mark.xfail(strict=True, reason="not reproduced: with the a100-paper parameters 13B's MHA decode is KV-read "
                                        "bound and keeps scaling with devices, so colocate-all stays best at 128 GPUs "
                                        "(README, Auto-mapper)")
-def test_second_trend_13b_at_128_gpus_is_not_colocate_all():
-    row = _bench().run_case("13B", 128, get_cost_preset("a100-paper"), with_sensitivity=False)
+def test_second_trend_13b_at_128_gpus_is_not_colocate_all(repo_script):
+    row = repo_script("benchmarks/automap_paper_scale.py").run_case("13B", 128, get_cost_preset("a100-paper"), with_sensitivity=False)
     assert row["chosen"]["kind"] != "colocate"
 
 

@@ -4,7 +4,6 @@ import io
 import logging
 import sys
 
-import pytest
 
 from hybridflow.utils.progress import Progress, RunProgress, write_line
 
