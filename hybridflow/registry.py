@@ -1,0 +1,134 @@
+"""The one name -> object registry used by every kind of pluggable part (DESIGN.md "One way to do a thing").
+
+One :class:`Registry` instance per kind, owned by the module that defines the kind (advantage estimators in
+``algorithms/advantage.py``, policy losses in ``algorithms/losses.py``, rollout backends in ``rollout/base.py``,
+drivers, training engines, tools, rewards ...). Every registry behaves the same way:
+
+- ``@registry.register("name", **meta)`` adds a function or class and returns it unchanged; ``meta`` is free-form
+  metadata the kind defines (an estimator declares ``needs_values=True``, a rollout ``uses_hybrid_engine=True``),
+  read with :meth:`Registry.meta`, so that no code decides on a name string outside the registry.
+- ``get(name)`` returns the entry or raises :class:`UnknownNameError`, whose message lists the known names and
+  the nearest one ("did you mean ...").
+- Registering a *different* object under a taken name raises ``ValueError``; registering the same one again is a
+  no-op (modules may be imported twice, e.g. by ``trainer.plugins`` on the driver and in a worker).
+
+This module imports nothing from hybridflow, so every layer may use it. User code registers into these
+registries from its own module, listed in ``trainer.plugins`` so the workers import it too.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
+
+from hybridflow.errors import UserError
+
+T = TypeVar("T")
+
+
+class UnknownNameError(UserError, KeyError, ValueError):
+    """A registry (or a fixed table such as the KL estimators) was asked for a name it does not know.
+
+    A :class:`~hybridflow.errors.UserError` (the CLI prints it as one line), a ``KeyError`` (it is a failed lookup)
+    and a ``ValueError`` (it is a bad config value), so any of those ``except`` clauses catches it.
+    ``str(err)`` is the plain message.
+    """
+
+    def __str__(self) -> str:  # KeyError would wrap the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+def unknown_name_error(kind: str, name: object, known: Iterable[str]) -> UnknownNameError:
+    """The error for an unknown ``name`` of ``kind``: lists the ``known`` names and the closest one, if any."""
+    known = sorted(known)
+    message = f"unknown {kind} {name!r}; known: {', '.join(known) or '(none)'}"
+    close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6) if isinstance(name, str) else []
+    if close:
+        message += f" (did you mean {close[0]!r}?)"
+    return UnknownNameError(message)
+
+
+class Registry(Generic[T]):
+    """Maps names to objects (functions or classes) of one kind, each with optional metadata.
+
+    Args:
+        kind: what the entries are, used in messages ("policy loss", "rollout backend").
+        adapter: optional ``adapter(name, obj) -> callable``; ``get`` then returns the adapted entry (gives every
+            entry of a kind one calling convention while the function keeps its natural signature).
+        check: optional ``check(name, obj)`` run at registration; it raises ``TypeError`` for an object that is
+            not of this kind (e.g. a class that does not subclass the kind's base class).
+    """
+
+    def __init__(self, kind: str, adapter: Optional[Callable[[str, T], Any]] = None,
+                 check: Optional[Callable[[str, T], None]] = None) -> None:
+        self.kind = kind
+        self._adapter = adapter
+        self._check = check
+        self._originals: dict[str, T] = {}
+        self._entries: dict[str, Any] = {}
+        self._meta: dict[str, dict[str, Any]] = {}
+
+    def register(self, name: str, **meta: Any) -> Callable[[T], T]:
+        """Decorator adding the decorated object under ``name`` with metadata ``meta``.
+
+        Raises:
+            ValueError: ``name`` is empty or not a string, or already registered to a different object.
+            TypeError: the kind's ``check`` refused the object.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+
+        def decorator(obj: T) -> T:
+            existing = self._originals.get(name)
+            if existing is not None and existing is not obj and _qualname(existing) != _qualname(obj):
+                raise ValueError(f"{self.kind} {name!r} is already registered to {_qualname(existing)}; "
+                                 "choose another name")
+            if self._check is not None:
+                self._check(name, obj)
+            self._originals[name] = obj
+            self._entries[name] = self._adapter(name, obj) if self._adapter else obj
+            self._meta[name] = dict(meta)
+            return obj
+
+        return decorator
+
+    def get(self, name: str) -> Any:
+        """The entry registered under ``name``.
+
+        Raises:
+            UnknownNameError: ``name`` is not registered (the message lists the known names and the nearest).
+        """
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):  # TypeError: unhashable name
+            raise unknown_name_error(self.kind, name, self._entries) from None
+
+    def original(self, name: str) -> T:
+        """The object as registered (before the adapter), raising like :meth:`get`."""
+        self.get(name)
+        return self._originals[name]
+
+    def meta(self, name: str, key: Optional[str] = None, default: Any = None) -> Any:
+        """The metadata of ``name`` (a copy of the dict), or one ``key`` of it (``default`` when unset).
+
+        Raises:
+            UnknownNameError: ``name`` is not registered.
+        """
+        self.get(name)
+        if key is None:
+            return dict(self._meta[name])
+        return self._meta[name].get(key, default)
+
+    def names(self, **where: Any) -> list[str]:
+        """Registered names, sorted; with ``where`` only those whose metadata has each given value."""
+        return sorted(n for n in self._entries if all(self._meta[n].get(k) == v for k, v in where.items()))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _qualname(obj: object) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
