@@ -78,35 +78,30 @@ def parallel_layout_problems(get: Callable[[str], Any]) -> list[str]:
 
 
 def driver_problems(get: Callable[[str], Any]) -> list[str]:
-    """What each driver needs: remax trains no critic and alone supplies the greedy baseline of the ``remax``
-    estimator; safe_rlhf needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
+    """``algorithm.driver`` names a registered driver (:mod:`hybridflow.trainer.driver`); an estimator that one
+    driver owns (registry metadata ``owns_estimators``: ReMax's greedy baseline) runs under it; every optional
+    feature switched on (``FEATURES``) is one the driver implements (metadata ``features``); the driver's own
+    checks (``Driver.config_problems``); the Lagrangian's bounds."""
+    from hybridflow.trainer.driver import DRIVERS, FEATURES, driver_names, drivers_with
+
     driver, estimator = get("algorithm.driver"), get("algorithm.adv_estimator")
-    critic = need_critic_for(get("critic.enable"), estimator)
-    problems = []
-    if estimator == "remax" and driver != "remax":
-        problems.append(f"algorithm.adv_estimator=remax needs algorithm.driver=remax (it generates the greedy "
-                        f"baseline), got algorithm.driver={driver}")
-    if driver == "remax" and critic:
-        problems.append(f"algorithm.driver=remax trains no critic: use a critic-free estimator (remax) and leave "
-                        f"critic.enable unset, got algorithm.adv_estimator={estimator}, "
-                        f"critic.enable={get('critic.enable')}")
-    if driver == "safe_rlhf":
-        if estimator != "gae" or not critic:
-            problems.append(f"algorithm.driver=safe_rlhf uses a reward critic and a cost critic: set "
-                            f"algorithm.adv_estimator=gae and leave critic.enable unset, got "
-                            f"adv_estimator={estimator}, critic.enable={get('critic.enable')}")
-        if get("cost_model.rule") is None and not get("cost_model.enable"):
-            problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
-                            "subtraction_before_last_step) and/or cost_model.enable=true with cost_model.model.path")
-    if driver == "async":
-        problems.extend(async_problems(get))
-    if get("algorithm.bypass_old_log_prob"):
-        if driver not in ("ppo", "async"):
-            problems.append(f"algorithm.bypass_old_log_prob=true is supported by the drivers ppo and async, got "
+    problems = choice_problems("algorithm.driver", driver, driver_names())
+    if problems:
+        return problems
+    for owner in driver_names():
+        reason = DRIVERS.meta(owner, "owns_estimators", {}).get(estimator)
+        if reason and owner != driver:
+            problems.append(f"algorithm.adv_estimator={estimator} needs algorithm.driver={owner} ({reason}), got "
                             f"algorithm.driver={driver}")
-        if (get("actor_rollout_ref.actor.tis_imp_ratio_cap") or -1) > 0:
-            problems.append("algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so "
-                            "actor.tis_imp_ratio_cap would weight every token by 1: turn one of them off")
+    problems.extend(DRIVERS.get(driver).config_problems(get))
+    for feature, (key, what) in FEATURES.items():
+        if get(key) and feature not in DRIVERS.meta(driver, "features", ()):
+            which = drivers_with(feature)
+            by = f"the {which[0]} driver" if len(which) == 1 else f"the drivers {' and '.join(which)}"
+            problems.append(f"{key}=true{what} is supported by {by}, got algorithm.driver={driver}")
+    if get("algorithm.bypass_old_log_prob") and (get("actor_rollout_ref.actor.tis_imp_ratio_cap") or -1) > 0:
+        problems.append("algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so "
+                        "actor.tis_imp_ratio_cap would weight every token by 1: turn one of them off")
     lam = "algorithm.lagrangian"
     lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
     if lam_max is not None and lam_max < lam_init:
@@ -118,25 +113,18 @@ def driver_problems(get: Callable[[str], Any]) -> list[str]:
 
 
 def dapo_problems(get: Callable[[str], Any]) -> list[str]:
-    """DAPO's pieces: dynamic sampling runs in the ppo driver's step and needs groups (rollout.n >= 2); the
-    overlong penalty is added in the training step of drivers ppo and async, and its buffer fits the response."""
-    driver, problems = get("algorithm.driver"), []
-    if get("algorithm.filter_groups.enable"):
-        if driver != "ppo":
-            problems.append(f"algorithm.filter_groups.enable=true (DAPO dynamic sampling) is supported by the ppo "
-                            f"driver, got algorithm.driver={driver}")
-        if get("actor_rollout_ref.rollout.n") < 2:
-            problems.append("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2 "
-                            f"(got {get('actor_rollout_ref.rollout.n')}; a group of one is never informative)")
+    """DAPO's pieces (which drivers run them: :func:`driver_problems`): dynamic sampling needs groups
+    (rollout.n >= 2); the overlong buffer fits the response."""
+    problems = []
+    if get("algorithm.filter_groups.enable") and get("actor_rollout_ref.rollout.n") < 2:
+        problems.append("algorithm.filter_groups.enable=true needs groups: set actor_rollout_ref.rollout.n >= 2 "
+                        f"(got {get('actor_rollout_ref.rollout.n')}; a group of one is never informative)")
     buffer = "reward_model.overlong_buffer"
     if get(f"{buffer}.enable"):
         length, max_len = get(f"{buffer}.len"), get("data.max_response_length")
         if not 1 <= length <= max_len:
             problems.append(f"{buffer}.len must be in [1, data.max_response_length={max_len}] when "
                             f"{buffer}.enable=true, got {length}")
-        if driver not in ("ppo", "async"):
-            problems.append(f"{buffer}.enable=true is supported by the drivers ppo and async, got "
-                            f"algorithm.driver={driver}")
     return problems
 
 

@@ -10,7 +10,9 @@ together as one ``ConfigError``.
 Loading never imports Ray, so a bad config fails in seconds, before Ray starts. Names that live in registries
 or name tables (``NAME_SOURCES``: advantage estimator, policy loss, loss aggregation, KL estimator, rollout
 backend, rule cost) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout`` /
-``hybridflow.rewards.cost``, only for values that differ from the schema defaults.
+``hybridflow.rewards.cost``, only for values that differ from the schema defaults. The modules of
+``trainer.plugins`` are imported first, so names they register pass. ``algorithm.driver`` and what each driver
+needs are checked against the driver registry (:mod:`hybridflow.trainer.driver`; its modules import no Ray).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from hybridflow.models.lora import lora_problems
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
 CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
-    "algorithm.driver": ("ppo", "remax", "safe_rlhf", "async"),
     "async_training.generator_quantization": ("none", "int8"),
     "reward_model.combine": ("sum", "model"),
     "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -172,6 +173,7 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
 
     Raises:
         ConfigError: listing every problem found, each with its dotted key.
+        UserError: a module of ``trainer.plugins`` cannot be imported (raised before the other checks run).
     """
     cfg = OmegaConf.structured(HybridFlowConfig)
     problems: list[str] = []
@@ -195,6 +197,8 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         except OmegaConfBaseException as exc:
             problems.append(f"{path}: {str(exc).splitlines()[0]}")
             bad_paths.add(path)
+    if "trainer.plugins" not in bad_paths:
+        _import_plugins(cfg)  # before the checks: a plugin may register the names they look up
     problems.extend(_semantic_problems(cfg, bad_paths))
     if problems:
         raise ConfigError(problems)
@@ -206,6 +210,19 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
     OmegaConf.set_struct(cfg, True)
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _import_plugins(cfg: DictConfig) -> None:
+    """Import ``trainer.plugins`` (their file paths made absolute in ``cfg``, so every worker finds them).
+
+    Raises:
+        UserError: a plugin cannot be imported (one line naming it), before anything else is checked.
+    """
+    from hybridflow.plugins import import_plugins, resolve_plugins
+
+    plugins = resolve_plugins(cfg.trainer.plugins)
+    cfg.trainer.plugins = plugins
+    import_plugins(plugins)
 
 
 def _make_paths_absolute(cfg: DictConfig) -> None:

@@ -173,9 +173,10 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # which driver runs the step: ppo (the PPO family: gae, grpo, rloo, reinforce_plus_plus, ...), remax (greedy
-    # baseline, Li et al. 2023), safe_rlhf (reward + cost critics and a Lagrange multiplier, Dai et al. 2023) or
-    # async (the PPO family with generators on their own devices running ahead of the trainer; async_training)
+    # which driver runs the step (driver registry; a plugin may add one): ppo (the PPO family: gae, grpo, rloo,
+    # reinforce_plus_plus, ...), remax (greedy baseline, Li et al. 2023), safe_rlhf (reward + cost critics and a
+    # Lagrange multiplier, Dai et al. 2023) or async (the PPO family with generators on their own devices running
+    # ahead of the trainer; async_training)
     driver: str = "ppo"
     adv_estimator: str = "gae"  # advantage-estimator registry name
     gamma: float = 1.0  # discount
@@ -267,6 +268,9 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     plot_curves: bool = True  # at the end, draw metrics.jsonl's standard panels into <default_local_dir>/curves.png
     seed: int = 1  # model init / sampling seed
+    # user modules (names on PYTHONPATH or .py file paths) imported on the driver before the config is validated
+    # and in every worker before any lookup: they register drivers, losses, rewards, rollouts, tools by name
+    plugins: list[str] = field(default_factory=list)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 
 

@@ -149,7 +149,9 @@ class ResourcePoolManager:
     Args:
         resource_pool_spec: pool name -> processes per node, e.g. ``{"global_pool": [8, 8]}``.
         mapping: role -> pool name; roles are opaque keys here (the trainer's role names).
-        use_gpu, max_colocate_count, cpus_per_bundle, ready_timeout_s: passed to every ``ResourcePool``.
+        max_colocate_count: passed to every ``ResourcePool``; None: for each pool, the number of roles mapped to
+            it (at least 1), so each role's actors take an equal share of a bundle.
+        use_gpu, cpus_per_bundle, ready_timeout_s: passed to every ``ResourcePool``.
 
     The pools are created at construction, after checking that the cluster can hold all of them together.
 
@@ -163,7 +165,7 @@ class ResourcePoolManager:
         resource_pool_spec: dict[str, list[int]],
         mapping: dict[Hashable, str],
         use_gpu: Optional[bool] = None,
-        max_colocate_count: int = 8,
+        max_colocate_count: Optional[int] = 8,
         cpus_per_bundle: float = 1,
         ready_timeout_s: float = 60.0,
     ) -> None:
@@ -180,8 +182,9 @@ class ResourcePoolManager:
         self.pools: dict[str, ResourcePool] = {}
         try:
             for name, nodes in resource_pool_spec.items():
+                sharing = max(1, sum(pool == name for pool in mapping.values()))
                 self.pools[name] = ResourcePool(
-                    nodes, use_gpu=gpu, max_colocate_count=max_colocate_count, name_prefix=name,
+                    nodes, use_gpu=gpu, max_colocate_count=max_colocate_count or sharing, name_prefix=name,
                     cpus_per_bundle=cpus_per_bundle, ready_timeout_s=ready_timeout_s,
                 )
         except Exception:

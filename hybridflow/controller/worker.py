@@ -6,7 +6,9 @@ A worker is constructed inside a Ray actor that ``RayWorkerGroup`` started. Befo
 
 * ``RANK``, ``WORLD_SIZE``: this process's rank in the group and the group size;
 * ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: rank and count within this node's placement group;
-* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a free port it picked.
+* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a free port it picked;
+* ``HYBRIDFLOW_PLUGINS`` (optional): the user modules (``trainer.plugins``) that ``Worker.__init__`` imports
+  first, so names they register are found by every lookup in the worker (see ``hybridflow/plugins.py``).
 
 Outside a worker group (a plain ``Worker()`` in a test) the defaults are rank 0 of a world of 1, and the
 worker picks ``MASTER_ADDR``/``MASTER_PORT`` itself.
@@ -76,9 +78,13 @@ class Worker:
     Raises (from ``__init__``):
         ValueError: ``RANK``/``WORLD_SIZE`` are not integers or ``RANK`` is not in ``[0, WORLD_SIZE)``.
         RuntimeError: a rank other than 0 starts without ``MASTER_ADDR``/``MASTER_PORT`` (only rank 0 picks them).
+        UserError: a plugin of ``HYBRIDFLOW_PLUGINS`` cannot be imported.
     """
 
     def __init__(self) -> None:
+        from hybridflow.plugins import import_plugins_from_env
+
+        import_plugins_from_env()  # before the subclass looks anything up in a registry
         self._rank = _env_int("RANK", 0)
         self._world_size = _env_int("WORLD_SIZE", 1)
         self._local_rank = _env_int("LOCAL_RANK", 0)

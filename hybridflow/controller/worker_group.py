@@ -209,6 +209,8 @@ class RayWorkerGroup(_WorkerGroupBase):
         bin_pack: ``True`` pins rank ``r`` to bundle ``r`` (ranks of groups sharing a pool line up on the same
             device); ``False`` lets Ray pick any bundle of the rank's node placement group (only for a group
             that shares its pool with no other).
+        env: extra environment variables every rank has before its ``__init__`` runs (e.g. the plugin modules
+            ``Worker.__init__`` imports, ``HYBRIDFLOW_PLUGINS``).
 
     Rank 0 starts first and picks ``MASTER_ADDR``/``MASTER_PORT``; the other ranks start with them. The
     constructor returns once every rank's ``__init__`` finished.
@@ -228,6 +230,7 @@ class RayWorkerGroup(_WorkerGroupBase):
         name_prefix: Optional[str] = None,
         num_cpus_per_worker: Optional[float] = None,
         bin_pack: bool = True,
+        env: Optional[dict[str, str]] = None,
         _start: bool = True,
     ) -> None:
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
@@ -259,6 +262,7 @@ class RayWorkerGroup(_WorkerGroupBase):
         self._placements = placements
         self._init = ray_cls_with_init
         self._bin_pack = bin_pack
+        self._env = dict(env or {})
         if _start:
             RayWorkerGroup._start_all([self])
 
@@ -268,7 +272,7 @@ class RayWorkerGroup(_WorkerGroupBase):
             placement_group=pg, placement_group_bundle_index=index if self._bin_pack else -1
         )
         env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
-               "LOCAL_WORLD_SIZE": str(count), **master}
+               "LOCAL_WORLD_SIZE": str(count), **self._env, **master}
         if not self._use_gpu:  # a worker that reserved no GPU sees none (so it runs on CPU, gloo)
             env["CUDA_VISIBLE_DEVICES"] = ""
         worker = self._actor_cls.options(scheduling_strategy=strategy, **self._options).remote(
@@ -308,11 +312,13 @@ class RayWorkerGroup(_WorkerGroupBase):
 
     @classmethod
     def create_many(
-        cls, specs: Sequence[tuple[ResourcePool, RayClassWithInitArgs, Optional[str]]]
+        cls, specs: Sequence[tuple[ResourcePool, RayClassWithInitArgs, Optional[str]]],
+        env: Optional[dict[str, str]] = None,
     ) -> list["RayWorkerGroup"]:
-        """Build several groups at once, ``(resource_pool, ray_cls_with_init, name_prefix)`` each; their
-        processes start concurrently (faster than one group after the other). Raises like the constructor."""
-        groups = [cls(pool, cls_with_init, name, _start=False) for pool, cls_with_init, name in specs]
+        """Build several groups at once, ``(resource_pool, ray_cls_with_init, name_prefix)`` each, every rank with
+        the extra environment ``env``; their processes start concurrently (faster than one group after the
+        other). Raises like the constructor."""
+        groups = [cls(pool, cls_with_init, name, env=env, _start=False) for pool, cls_with_init, name in specs]
         cls._start_all(groups)
         return groups
 

@@ -24,39 +24,42 @@ valid tokens and the fraction above the loss's cap; only when old logprobs are r
 ``algorithm.bypass_old_log_prob``), ``async/gen_wait_s`` (seconds the trainer waited for samples),
 ``sync/weight_transfer_s`` and ``sync/weight_transfer_bytes``.
 
-Simplifications: a batch is trained on whole or dropped whole (all samples of a batch usually share one version;
-dropping part of one would break the dp split and the GRPO groups). Dropped batches consume prompts, so after a
-resume the data position (a function of the step) can differ from the run's own when batches were dropped;
-with the default ``queue_size`` (k + 1) no batch is dropped.
+A batch is trained on whole or dropped whole (all samples of a batch usually share one version; dropping part of
+one would break the dp split and the GRPO groups). Dropped batches count as consumed prompts; the batches still in
+flight at a checkpoint do not (:meth:`AsyncTrainer.batches_in_flight`), so a resumed run generates them again,
+with the resumed weights. With the default ``queue_size`` (k + 1) no batch is dropped.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-from typing import Callable, Iterable, Iterator
+from typing import Any, Optional
 
 import torch
 
-from hybridflow.controller.futures import get_outputs_many
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
+
+GENERATOR = "hybridflow.workers.generator_worker:GeneratorWorker"
 
 
 class _Blocking:
     """The generator group as validation expects it: ``generate_sequences`` returning a DataProto."""
 
-    def __init__(self, generators) -> None:
+    def __init__(self, generators: Any) -> None:
         self.generators = generators
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.generators.generate_sequences(prompts).get()
 
 
-class AsyncTrainer:
+@register_driver("async", features=("bypass_old_log_prob", "overlong_buffer"))
+class AsyncTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=async``; reads ``async_training``).
         actor: the trainer's actor group (:class:`~hybridflow.workers.actor_worker.ActorRolloutRefWorker`, role
@@ -64,15 +67,18 @@ class AsyncTrainer:
         critic: the critic group, or None (critic-free estimators such as GRPO).
         reward: ``compute_rm_score`` provider (as for :class:`PPOTrainer`).
         generators: the :class:`~hybridflow.workers.generator_worker.GeneratorWorker` group.
-        tracker: metrics sink.
 
-    Holds a :class:`PPOTrainer` for the training half of a step, validation (run on the generators), checkpoints
-    and resume.
+    Holds a :class:`PPOTrainer` for the training half of a step (and its checkpoint tables).
     """
 
-    def __init__(self, config, actor, critic, reward, generators, tracker) -> None:
+    ROLES = ("actor", "reward", "critic", "reward_model", "generator")
+    CHECKPOINTED_ROLES = ("actor", "critic")
+    global_step = SharedWithPPO()
+    data = SharedWithPPO()
+
+    def __init__(self, config: Any, actor: Any, critic: Any, reward: Any, generators: Any) -> None:
         self.config = config
-        self.ppo = PPOTrainer(config, actor, critic, reward, tracker)
+        self.ppo = PPOTrainer(config, actor, critic, reward)
         self.generators = generators
         self.max_staleness = config.async_training.max_staleness
         self.queue_size = config.async_training.queue_size or self.max_staleness + 1
@@ -86,12 +92,51 @@ class AsyncTrainer:
             logger.warning("async_training.queue_size=%d > max_staleness + 1 = %d: requests beyond that are generated "
                            "with weights too old to train on and will mostly be dropped", self.queue_size,
                            self.max_staleness + 1)
-        self._prompts: Iterator[DataProto] | None = None
-        self._submitted = 0  # the step whose prompts were submitted last
+        self._taken: Optional[tuple[DataProto, Any]] = None  # the request take_batch handed to step
+
+    @classmethod
+    def roles(cls, config: Any) -> dict[str, Role]:
+        """The PPO roles with the actor as trainer only (``actor_ref``: the generators sample) and the
+        ``generator`` group."""
+        roles = common_roles(config, actor_role="actor_ref")
+        roles["generator"] = Role(GENERATOR)
+        return roles
+
+    @classmethod
+    def config_problems(cls, get: Get) -> list[str]:
+        """Generators on a pool of their own, a staleness bound and queue that fit, an off-policy correction."""
+        from hybridflow.config.checks import async_problems
+
+        return async_problems(get)
+
+    @classmethod
+    def build(cls, config: Any, groups: dict[str, Any]) -> "AsyncTrainer":
+        from hybridflow.trainer.scoring import build_reward
+
+        return cls(config, groups["actor"], groups.get("critic"), build_reward(groups, config), groups["generator"])
+
+    def checkpointed_groups(self) -> dict[str, Any]:
+        return self.ppo.checkpointed_groups()
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        return self.ppo.checkpointed_state()
+
+    def start(self, data: Any, step: int) -> None:
+        """Connect the transfer group; on resume push the resumed weights (version ``step``) before any
+        generation."""
+        self.data = data
+        self.connect()
+        if step:
+            self.push_weights(step)
+
+    def batches_in_flight(self) -> int:
+        return len(self.pending)
 
     # ------------------------------------------------------------------ weight push
     def connect(self) -> None:
         """Build the transfer group: trainer rank 0 (sender) + every generator rank."""
+        from hybridflow.controller.futures import get_outputs_many
+
         host, port, layout = self.ppo.actor.open_weight_sync()
         world = 1 + self.generators.world_size
         get_outputs_many([_call(self.ppo.actor, "init_weight_sync", host, port, world),
@@ -99,43 +144,52 @@ class AsyncTrainer:
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Send the trainer's weights of ``version`` to every generator; returns the transfer metrics."""
+        from hybridflow.controller.futures import get_outputs_many
+
         sent, _ = get_outputs_many([_call(self.ppo.actor, "send_weights", version),
                                     _call(self.generators, "receive_weights", version)])
         return sent[0]
 
     # ------------------------------------------------------------------ the step
     def _submit(self) -> None:
-        """Keep ``queue_size`` generation requests in flight (prompts of the next steps, each with its step's
-        sampling seed)."""
+        """Keep ``queue_size`` generation requests in flight: the prompts of the next batches of the cursor, each
+        sampled with the seed of its data position (the step that trains on it when no batch is dropped)."""
         while len(self.pending) < self.queue_size:
-            batch = next(self._prompts)
-            self._submitted += 1
-            prompts = self.ppo.pop_prompts(batch, step=self._submitted)
+            batch = self.data.next()
+            prompts = self.ppo.pop_prompts(batch, step=self.data.position)
             self.pending.append((batch, self.generators.generate_sequences(prompts)))
 
-    def _next_batch(self, version: int, t: dict[str, float]) -> DataProto:
-        """The oldest generated batch fresh enough for trainer ``version`` (older ones are dropped, counted)."""
+    def take_batch(self) -> DataProto:
+        """The prompts of the oldest generation request (its samples are waited for in :meth:`step`)."""
+        self._submit()
+        self._taken = self.pending.popleft()
+        return self._taken[0]
+
+    def _generated(self, version: int, t: dict[str, float]) -> DataProto:
+        """The samples of the request :meth:`take_batch` handed out, or of the next ones when it is too stale for
+        trainer ``version`` (those are dropped, counted)."""
         n = self.config.actor_rollout_ref.rollout.n
+        batch, future = self._taken
         while True:
-            self._submit()
-            batch, future = self.pending.popleft()
             with timer("gen_wait", t):
                 gen = future.get()
             staleness = version - gen.batch["policy_version"]
             if int(staleness.max()) <= self.max_staleness:
                 batch = batch.repeat(n, interleave=True).union(gen)
-                batch.meta_info["global_step"] = self.ppo.global_step
+                batch.meta_info["global_step"] = self.global_step
                 return batch
             self.dropped_samples += len(gen)
             logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen),
                         int(staleness.max()), self.max_staleness)
+            self._submit()
+            batch, future = self.pending.popleft()
 
-    def step(self, _unused: object) -> dict[str, float]:
-        """One async iteration (see the module docstring); returns its metrics."""
+    def step(self, batch: DataProto) -> dict[str, float]:
+        """One async iteration on the request of ``batch`` (see the module docstring); returns its metrics."""
         t: dict[str, float] = {}
-        version = self.ppo.global_step - 1  # updates applied so far
+        version = self.global_step - 1  # updates applied so far
         with timer("step", t):
-            batch = self._next_batch(version, t)
+            batch = self._generated(version, t)
             staleness = (version - batch.batch["policy_version"]).float()
             metrics = self.ppo.train_on(batch, t)
             with timer("weight_push", t):
@@ -155,30 +209,14 @@ class AsyncTrainer:
 
         return validate(self.config, _Blocking(self.generators), self.ppo.reward, val_data)
 
-    def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
-            total_steps: int) -> dict:
-        """Connect the transfer group, then run :meth:`PPOTrainer.fit` with this driver's step: resume (the resumed
-        weights are pushed before any generation), validation, checkpoints."""
-        self.connect()
 
-        def steps(start: int) -> Iterator[None]:
-            self._prompts = iter(train_batches(start))
-            self._submitted = start
-            if start:
-                self.push_weights(start)
-            while True:
-                yield None
-
-        return self.ppo.fit(steps, val_data, total_steps, driver=self)
-
-
-def _call(group, method: str, *args) -> tuple:
+def _call(group: Any, method: str, *args: Any) -> tuple:
     """Start ``group.method(*args)`` (a ``blocking=False`` method on every rank) for :func:`get_outputs_many`."""
     refs = getattr(group, method)(*args)
     return refs, range(len(refs)), group.name, method
 
 
-def importance_metrics(batch: DataProto, cap: float | None) -> dict[str, float]:
+def importance_metrics(batch: DataProto, cap: Optional[float]) -> dict[str, float]:
     """Statistics of the per-token importance weights w = pi_old / mu = exp(old_log_probs - rollout_log_probs)
     over valid tokens (``response_mask``): mean, max, min, and the fraction above ``cap`` (the loss's cap: AIPO's
     rho or the truncated-IS cap; not reported when the loss has none)."""

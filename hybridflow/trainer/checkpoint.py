@@ -155,7 +155,6 @@ class IncompatibleCheckpointError(ValueError):
 # (learning rates, batch sizes, KL and loss settings, total steps, logging, ...) may change on resume.
 RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "actor_rollout_ref.model.path",
                "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size")
-_CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")  # worker groups whose shards a checkpoint holds
 
 
 def save_config(config, path: str) -> None:
@@ -167,12 +166,14 @@ def save_config(config, path: str) -> None:
 
 def resume_signature(config) -> dict[str, Any]:
     """The values of ``RESUME_KEYS`` in ``config`` (a loaded config or one read back from a checkpoint) plus the
-    number of ranks of each checkpointed group (``ranks of <role>``, from ``resource_pool`` or
-    ``trainer.n_gpus_per_node x trainer.nnodes``; None for a group the run does not train). ``critic.enable`` is
+    number of ranks of each group a driver checkpoints (``ranks of <role>``, the roles its
+    :meth:`~hybridflow.trainer.driver.Driver.roles` marks ``checkpointed``, from ``resource_pool`` or
+    ``trainer.n_gpus_per_node x trainer.nnodes``; None for a group this run's driver does not train). ``critic.enable`` is
     resolved (whether a critic is trained) and ``critic.model.path`` is the path the critic loads ("" = actor's)."""
     from omegaconf import OmegaConf
 
     from hybridflow.config import need_critic
+    from hybridflow.trainer.driver import all_checkpointed_roles, get_driver
     from hybridflow.trainer.setup import resource_pool_spec
 
     sig = {key: OmegaConf.select(config, key) for key in RESUME_KEYS}
@@ -180,9 +181,9 @@ def resume_signature(config) -> dict[str, Any]:
     sig["critic.enable"] = critic
     sig["critic.model.path"] = (sig["critic.model.path"] or sig["actor_rollout_ref.model.path"]) if critic else None
     pools, mapping = resource_pool_spec(config)
-    trained = {"actor": True, "critic": critic, "cost_critic": config.algorithm.driver == "safe_rlhf"}
-    for role in _CHECKPOINTED_ROLES:
-        sig[f"ranks of {role}"] = sum(pools[mapping[role]]) if trained[role] else None
+    trained = [r for r, spec in get_driver(config.algorithm.driver).roles(config).items() if spec.checkpointed]
+    for role in all_checkpointed_roles():  # the same keys whatever the driver
+        sig[f"ranks of {role}"] = sum(pools[mapping[role]]) if role in trained else None
     return sig
 
 

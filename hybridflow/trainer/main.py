@@ -1,18 +1,19 @@
 """Entry point of ``hybridflow train``: start (or join) Ray, build data and worker groups, run the driver named by
-``algorithm.driver`` (``DRIVERS``: ppo, remax, safe_rlhf, async)."""
+``algorithm.driver`` (the driver registry, :mod:`hybridflow.trainer.driver`: ppo, remax, safe_rlhf, async and any
+a plugin registers) in the :class:`~hybridflow.trainer.loop.TrainLoop`."""
 
 from __future__ import annotations
 
 import logging
 import os
 
+from typing import Any, Callable, Iterator, Optional
+
 from hybridflow.errors import TrainingInterrupted, UserError
-from hybridflow.trainer.async_rl import AsyncTrainer
+from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
-from hybridflow.trainer.ppo import PPOTrainer
-from hybridflow.trainer.remax import ReMaxTrainer
-from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
-from hybridflow.trainer.scoring import build_cost, build_reward
+from hybridflow.trainer.driver import get_driver
+from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils.plot import write_run_curves
 from hybridflow.utils.progress import RunProgress
@@ -20,18 +21,8 @@ from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
 
 logger = logging.getLogger(__name__)
 
-# algorithm.driver -> builder(config, groups, tracker) of an object with fit(train_batches, val_data, total_steps)
-DRIVERS = {
-    "ppo": lambda cfg, g, tracker: PPOTrainer(cfg, g["actor"], g.get("critic"), build_reward(g, cfg), tracker),
-    "remax": lambda cfg, g, tracker: ReMaxTrainer(cfg, g["actor"], build_reward(g, cfg), tracker),
-    "safe_rlhf": lambda cfg, g, tracker: SafeRLHFTrainer(cfg, g["actor"], g["critic"], g["cost_critic"],
-                                                         build_reward(g, cfg), build_cost(g, cfg), tracker),
-    "async": lambda cfg, g, tracker: AsyncTrainer(cfg, g["actor"], g.get("critic"), build_reward(g, cfg),
-                                                  g["generator"], tracker),
-}
 
-
-def run_ppo(config) -> dict:
+def run_ppo(config: Any) -> dict:
     """Train per ``config`` (a validated config from :func:`hybridflow.config.load_config`) with the driver
     ``algorithm.driver`` (the PPO family by default). Returns the last validation metrics. Shuts down a Ray
     cluster it started itself.
@@ -65,7 +56,7 @@ def run_ppo(config) -> dict:
             ray.shutdown()
 
 
-def _check_start(config) -> None:
+def _check_start(config: Any) -> None:
     """What can be checked before Ray starts besides the data: the run directory can be made (and is logged), and
     ``trainer.device=cuda`` has a GPU when the driver starts the cluster itself.
 
@@ -97,7 +88,7 @@ def _log_run_dir(run_dir: str) -> None:
                        "job (a shared filesystem on a multi-node cluster)")
 
 
-def _prepare_run_dir(config, checkpoints: CheckpointManager, total: int) -> int | None:
+def _prepare_run_dir(config: Any, checkpoints: CheckpointManager, total: int) -> Optional[int]:
     """Before Ray starts: find the checkpoint to resume (``trainer.resume_mode``) and check that this config can
     resume it. Returns the step the run starts from (0 for a fresh run), or None when the checkpoint is already at
     ``total`` steps (nothing to do; the directory is left as it is). ``metrics.jsonl`` is left as it is until the
@@ -128,7 +119,14 @@ def _tidy_metrics(run_dir: str, start: int) -> None:
         set_metrics_aside(run_dir)
 
 
-def _train(config, groups, train_batches, val_data, total: int, start: int) -> dict:
+def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], Iterator[DataProto]],
+           val_data: DataProto, total: int, start: int) -> dict:
+    """Build the driver from the worker groups and run it in a :class:`TrainLoop` (metrics to a tracker with a
+    progress line); returns the last validation metrics.
+
+    Raises:
+        TrainingInterrupted: Ctrl-C during training (names the last logged step and the latest checkpoint).
+    """
     _tidy_metrics(config.trainer.default_local_dir, start)  # the workers are up: the run starts now
     tracker = RunProgress(Tracking(
         project_name=config.trainer.project_name,
@@ -138,8 +136,8 @@ def _train(config, groups, train_batches, val_data, total: int, start: int) -> d
         config=config,
     ), total, start)
     try:
-        trainer = DRIVERS[config.algorithm.driver](config, groups, tracker)
-        result = trainer.fit(train_batches, val_data, total)
+        driver = get_driver(config.algorithm.driver).build(config, groups)
+        result = TrainLoop(config, driver, tracker).fit(train_batches, val_data, total)
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
         raise TrainingInterrupted(tracker.last_step, total, latest) from None

@@ -1,37 +1,60 @@
 """The PPO driver (Ouyang et al. 2022; HybridFlow, Sheng et al. 2025, Fig. 4): one controller walks the RLHF
 dataflow and every model is a worker group. The driver holds no weights; it moves DataProto batches.
 
-One step = generate -> reward (+ DAPO's overlong penalty) -> reference logprobs -> old logprobs -> values ->
-KL-in-reward -> advantages -> update critic -> update actor. Advantages and the KL penalty run here on the driver
-(see :mod:`hybridflow.trainer.steps` for why). With ``algorithm.filter_groups.enable`` (DAPO dynamic sampling) the
-first two phases repeat over further prompt batches until the batch holds enough informative groups
-(:mod:`hybridflow.trainer.dynamic_sampling`).
+One step = generate -> reward (+ DAPO's overlong penalty) -> reference logprobs (when a KL term uses them) -> old
+logprobs -> values -> KL-in-reward -> advantages -> update critic -> update actor. Advantages and the KL penalty run
+here on the driver (see :mod:`hybridflow.trainer.steps` for why). With ``algorithm.filter_groups.enable`` (DAPO
+dynamic sampling) the first two phases repeat over further prompt batches until the batch holds enough informative
+groups (:mod:`hybridflow.trainer.dynamic_sampling`).
+
+The phases are methods of :class:`PPOTrainer` that the other drivers (ReMax, Safe-RLHF, async) call on a
+PPOTrainer they hold (composition). Resume, validation/checkpoint cadence, logging and the data position are the
+:class:`~hybridflow.trainer.loop.TrainLoop`'s.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import time
 import uuid
-from typing import Callable, Iterable
+from typing import Any, Optional
 
 import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                      compute_data_metrics, compute_timing_metrics)
-from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
 
+ACTOR = "hybridflow.workers.actor_worker:ActorRolloutRefWorker"
+CRITIC = "hybridflow.workers.critic_worker:CriticWorker"
+RULE_REWARD = "hybridflow.workers.reward_worker:RuleRewardWorker"
+SCORE_MODEL = "hybridflow.workers.rm_worker:RewardModelWorker"
 
-class PPOTrainer:
+
+def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str, Role]:
+    """The roles of the PPO family: ``actor`` (its worker role ``actor_role``: with the rollout, or ``actor_ref``
+    when generators sample), ``reward`` (rule reward and rule cost), ``critic`` when
+    :func:`~hybridflow.config.need_critic`, ``reward_model`` with ``reward_model.enable``."""
+    from hybridflow.config import need_critic
+
+    roles = {"actor": Role(ACTOR, (actor_role,), sizes_schedule=True, checkpointed=True),
+             "reward": Role(RULE_REWARD)}
+    if need_critic(config):
+        roles["critic"] = Role(CRITIC, sizes_schedule=True, checkpointed=True)
+    if config.reward_model.enable:
+        roles["reward_model"] = Role(SCORE_MODEL, ("reward_model",))
+    return roles
+
+
+@register_driver("ppo", features=("bypass_old_log_prob", "filter_groups", "overlong_buffer"),
+                 planned_as=("ppo", "grpo"))
+class PPOTrainer(Driver):
     """Args:
         config: the validated run config.
         actor: worker group of :class:`~hybridflow.workers.actor_worker.ActorRolloutRefWorker` (actor+rollout+ref).
@@ -39,72 +62,49 @@ class PPOTrainer:
         reward: anything with ``compute_rm_score(DataProto) -> DataProto`` giving ``token_level_scores`` (B, R): the
             :class:`~hybridflow.workers.reward_worker.RuleRewardWorker` group or a
             :class:`~hybridflow.trainer.scoring.RewardScorer` (rule + reward model).
-        tracker: a :class:`~hybridflow.utils.tracking.Tracking` (``log(metrics, step)``).
 
-    Other drivers (:mod:`~hybridflow.trainer.remax`, :mod:`~hybridflow.trainer.safe_rlhf`) hold a PPOTrainer and
-    reuse its pieces: :meth:`pop_prompts`, :meth:`rewards_and_advantages`, :meth:`step_metrics`, :meth:`fit`
-    (validation, checkpoints, resume) and the two checkpoint tables, to which they add what they train or track:
-    ``checkpointed_groups`` (name -> worker group with ``save_checkpoint``/``load_checkpoint``; saved under
-    ``<ckpt>/<name>``) and ``checkpointed_state`` (name -> driver object with ``state_dict``/``load_state_dict``;
-    saved in ``trainer_state.pt``).
-
-    The data cursor ``data_position`` counts the prompt batches consumed (one per step, more with DAPO dynamic
-    sampling, which pulls extra ones through :meth:`next_batch`); it is checkpointed, and :meth:`fit` resumes the
-    data from it, so a resumed run sees exactly the prompts of an uninterrupted one.
+    The phases other drivers reuse: :meth:`pop_prompts`, :meth:`generate_and_score`, :meth:`score`,
+    :meth:`log_probs`, :meth:`values`, :meth:`kl_rewards`, :meth:`rewards_and_advantages`, :meth:`update_critic`,
+    :meth:`update_actor`, :meth:`train_on`,
+    :meth:`step_metrics`; their checkpoint tables start from :meth:`checkpointed_groups` and
+    :meth:`checkpointed_state`.
     """
 
-    def __init__(self, config, actor, critic, reward, tracker) -> None:
+    ROLES = ("actor", "reward", "critic", "reward_model")
+    CHECKPOINTED_ROLES = ("actor", "critic")
+
+    def __init__(self, config: Any, actor: Any, critic: Any, reward: Any) -> None:
         self.config = config
         self.actor, self.critic, self.reward = actor, critic, reward
-        self.tracker = tracker
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
-        self.global_step = 0
-        self.data_position = 0  # prompt batches consumed so far (== global_step without dynamic sampling)
         self.sync_metrics: dict[str, float] = {}  # from the last generation: LoRA weight-sync checks (sync/*)
-        self._batches = None  # the iterator of train batches, from data_position on (set by fit)
-        self.checkpoints = CheckpointManager(config.trainer.default_local_dir, config.trainer.max_ckpt_to_keep)
-        self.checkpointed_groups = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-        self.checkpointed_state = {"kl_ctrl": self.kl_ctrl}
 
-    def save_checkpoint(self) -> str:
-        """Checkpoint every trained worker group (sharded, per rank), the resolved config and the driver state,
-        atomically."""
-        writers = {name: group.save_checkpoint for name, group in self.checkpointed_groups.items()}
-        writers[CONFIG_FILE] = functools.partial(save_config, self.config)
-        state = {"global_step": self.global_step, "data_position": self.data_position,
-                 **{name: obj.state_dict() for name, obj in self.checkpointed_state.items()}}
-        start = time.perf_counter()
-        logger.info("saving the checkpoint of step %d (%s) under %s", self.global_step, ", ".join(writers),
-                    self.checkpoints.root)
-        path = self.checkpoints.save(self.global_step, writers, state)
-        logger.info("saved %s in %.1f s", path, time.perf_counter() - start)
-        return path
+    @classmethod
+    def roles(cls, config: Any) -> dict[str, Role]:
+        return common_roles(config)
 
-    def resume(self) -> int:
-        """Load the checkpoint chosen by ``trainer.resume_mode`` (if any); returns the step to continue from.
+    @classmethod
+    def build(cls, config: Any, groups: dict[str, Any]) -> "PPOTrainer":
+        from hybridflow.trainer.scoring import build_reward
 
-        Raises:
-            KeyError: the checkpoint lacks a part this driver checkpoints (it was written by another driver).
-        """
-        path = self.checkpoints.resolve(self.config.trainer.resume_mode)
-        if path is None:
-            return 0
-        state = load_trainer_state(path)
-        missing = [name for name in self.checkpointed_state if name not in state]
-        missing += [name for name in self.checkpointed_groups if not os.path.isdir(os.path.join(path, name))]
-        if missing:
-            raise KeyError(f"checkpoint {path} has no {missing}; it was written by a run with another "
-                           f"algorithm.driver (this one is {self.config.algorithm.driver!r})")
-        for name, group in self.checkpointed_groups.items():
-            group.load_checkpoint(os.path.join(path, name))
-        self.global_step = state["global_step"]
-        self.data_position = state.get("data_position", self.global_step)  # older checkpoints: one batch per step
-        for name, obj in self.checkpointed_state.items():
-            obj.load_state_dict(state[name])
-        logger.info("resumed from %s at step %d", path, self.global_step)
-        return self.global_step
+        return cls(config, groups["actor"], groups.get("critic"), build_reward(groups, config))
 
-    def pop_prompts(self, batch: DataProto, step: int | None = None, seed_index: int | None = None) -> DataProto:
+    def checkpointed_groups(self) -> dict[str, Any]:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        return {"kl_ctrl": self.kl_ctrl}
+
+    @property
+    def data_position(self) -> int:
+        """Prompt batches consumed so far (the cursor's position)."""
+        return self.data.position
+
+    def next_batch(self) -> DataProto:
+        """The next batch of prompts from the data cursor (advances the data position): DAPO's extra batches."""
+        return self.data.next()
+
+    def pop_prompts(self, batch: DataProto, step: Optional[int] = None, seed_index: Optional[int] = None) -> DataProto:
         """Start a step: give each prompt a ``uid`` (before its n samples are made, so they share it: the groups of
         GRPO/RLOO), put ``global_step`` in ``batch.meta_info``, and pop the prompt tensors (``input_ids``,
         ``attention_mask``, ``position_ids`` (B, P)) with the sampling ``seed`` of index ``seed_index`` (default:
@@ -125,21 +125,16 @@ class PPOTrainer:
             else:
                 batch, metrics = self.generate_and_score(batch, t), {}
             metrics.update(self.train_on(batch, t, scored=True))
-            metrics.update(self.sync_metrics)  # LoRA: the rollout's weights checked (sync/verified)
-            self.sync_metrics = {}
+            metrics.update(self.pop_sync_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.step_metrics(batch, metrics, t)
 
-    def set_data(self, train_batches: Callable[[int], Iterable[DataProto]]) -> None:
-        """Point the data cursor at ``train_batches(data_position)``: the batches from the current position on."""
-        self._batches = iter(train_batches(self.data_position))
+    def pop_sync_metrics(self) -> dict[str, float]:
+        """The rollout's weight-sync checks (``sync/*``) of the generations since the last call."""
+        metrics, self.sync_metrics = self.sync_metrics, {}
+        return metrics
 
-    def next_batch(self) -> DataProto:
-        """The next batch of prompts from the data cursor (advances ``data_position``)."""
-        batch = next(self._batches)
-        self.data_position += 1
-        return batch
-
-    def generate_and_score(self, batch: DataProto, t: dict[str, float], seed_index: int | None = None) -> DataProto:
+    def generate_and_score(self, batch: DataProto, t: dict[str, float],
+                           seed_index: Optional[int] = None) -> DataProto:
         """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`)
         and score them (:meth:`score`); returns the generated rows, a prompt's samples adjacent."""
         prompts = self.pop_prompts(batch, seed_index=seed_index)
@@ -160,12 +155,10 @@ class PPOTrainer:
         if buffer.enable:
             apply_overlong_penalty(batch, self.config.data.max_response_length, buffer.len, buffer.penalty_factor)
 
-    def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
-        """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
-        ran), reference logprobs (when a KL term needs them), old logprobs (unless ``algorithm.bypass_old_log_prob``),
-        values, advantages, critic and actor updates (phase seconds into ``t``); returns the metrics."""
-        if not scored:
-            self.score(batch, t)
+    def log_probs(self, batch: DataProto, t: dict[str, float]) -> None:
+        """Add ``ref_log_prob`` (B, R) when a KL term uses it (``algorithm.use_kl_in_reward`` or
+        ``actor.use_kl_loss``) and ``old_log_probs`` (B, R): the actor's forward, or with
+        ``algorithm.bypass_old_log_prob`` the sampling policy's ``rollout_log_probs`` (no forward)."""
         if self.config.algorithm.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
@@ -174,29 +167,55 @@ class PPOTrainer:
         else:
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
+
+    def values(self, batch: DataProto, t: dict[str, float]) -> None:
+        """Add the critic's ``values`` (B, R) (nothing without a critic)."""
         if self.critic is not None:
             with timer("values", t):
                 batch.union(self.critic.compute_values(batch))
+
+    def update_critic(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
+        """Update the critic (if any) on ``batch``; returns its metrics."""
+        if self.critic is None:
+            return {}
+        with timer("update_critic", t):
+            return absorb_metrics(self.critic.update_critic(batch), batch)
+
+    def update_actor(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
+        """Update the actor on ``batch``; returns its metrics."""
+        with timer("update_actor", t):
+            return absorb_metrics(self.actor.update_actor(batch), batch)
+
+    def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
+        """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
+        ran), reference and old logprobs (:meth:`log_probs`), values, advantages, critic and actor updates (phase
+        seconds into ``t``); returns the metrics."""
+        if not scored:
+            self.score(batch, t)
+        self.log_probs(batch, t)
+        self.values(batch, t)
         with timer("adv", t):
             metrics = self.rewards_and_advantages(batch)
-        if self.critic is not None:
-            with timer("update_critic", t):
-                metrics.update(absorb_metrics(self.critic.update_critic(batch), batch))
-        with timer("update_actor", t):
-            metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
+        metrics.update(self.update_critic(batch, t))
+        metrics.update(self.update_actor(batch, t))
         return metrics
 
     def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
         """``token_level_rewards`` (scores minus the in-reward KL when ``use_kl_in_reward``), then ``advantages``
         and ``returns`` with ``algorithm.adv_estimator``; returns the KL metrics."""
         alg = self.config.algorithm
-        metrics: dict[str, float] = {}
-        if alg.use_kl_in_reward:
-            metrics.update(apply_kl_penalty(batch, self.kl_ctrl, alg.kl_penalty))
-        else:
-            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        metrics = self.kl_rewards(batch)
         compute_advantage(batch, alg)
         return metrics
+
+    def kl_rewards(self, batch: DataProto) -> dict[str, float]:
+        """``token_level_rewards`` (B, R): ``token_level_scores`` minus beta * KL(actor || ref) with
+        ``algorithm.use_kl_in_reward`` (updating the KL controller), else the scores; returns the KL metrics."""
+        alg = self.config.algorithm
+        if alg.use_kl_in_reward:
+            return apply_kl_penalty(batch, self.kl_ctrl, alg.kl_penalty)
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        return {}
 
     def step_metrics(self, batch: DataProto, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
         """End a step: ``metrics`` plus the batch statistics, the phase seconds ``times`` (with ``step``), the
@@ -211,41 +230,19 @@ class PPOTrainer:
         """``val/score`` (and per data source) of the current policy on ``val_data`` (see :func:`validate`)."""
         return validate(self.config, self.actor, self.reward, val_data)
 
-    def fit(self, train_batches: Callable[[int], Iterable[DataProto]], val_data: DataProto | None,
-            total_steps: int, driver=None) -> dict:
-        """Resume if a checkpoint says so, then run steps up to ``total_steps``: ``train_batches(position)``
-        yields the batches from data position ``position`` on (batches consumed before: the step, unless dynamic
-        sampling consumed extra ones). Validates every ``trainer.test_freq`` steps and at the end (and before
-        training with ``val_before_train``, unless resuming); checkpoints every ``trainer.save_freq`` steps and at
-        the end. Returns the last validation metrics.
 
-        ``driver``: the object whose ``step(batch) -> metrics`` and ``validate(val_data) -> metrics`` run the
-        algorithm (default: this PPO trainer); another driver passes itself and gets this loop."""
-        cfg = self.config.trainer
-        driver = driver or self
-        val_metrics: dict[str, float] = {}
-        start = self.resume()
-        if val_data is not None and cfg.val_before_train and start == 0:
-            val_metrics = driver.validate(val_data)
-            self.tracker.log(val_metrics, step=0)
-        self.set_data(train_batches)
-        while self.global_step < total_steps:
-            batch = self.next_batch()
-            self.global_step += 1
-            step_start = time.perf_counter()
-            metrics = driver.step(batch)
-            last = self.global_step == total_steps
-            if val_data is not None and cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
-                val_start = time.perf_counter()
-                val_metrics = driver.validate(val_data)
-                metrics.update(val_metrics, **{"timing_s/testing": time.perf_counter() - val_start})
-            if cfg.save_freq > 0 and (self.global_step % cfg.save_freq == 0 or last):
-                save_start = time.perf_counter()
-                self.save_checkpoint()
-                metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
-            metrics["timing_s/iteration"] = time.perf_counter() - step_start
-            self.tracker.log(metrics, step=self.global_step)
-        return val_metrics
+class SharedWithPPO:
+    """A driver attribute that lives on the :class:`PPOTrainer` the driver holds as ``self.ppo`` (``global_step``,
+    ``data``), so the PPO phases it calls see the loop's step and cursor."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj.ppo, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.ppo, self.name, value)
 
 
 def absorb_metrics(update_out: DataProto, batch: DataProto) -> dict[str, float]:

@@ -3,34 +3,65 @@ the greedy response to the same prompt. No critic.
 
 One step = sample n responses per prompt -> greedy response per prompt -> reward both (the greedy reward is
 the baseline) -> reference logprobs -> old logprobs -> KL-in-reward -> advantages (``remax``: return minus
-baseline) -> update actor. Checkpoints, validation and resume are the PPO trainer's.
+baseline) -> update actor. The phases after generation are the PPO driver's (:meth:`PPOTrainer.train_on`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.ppo import PPOTrainer
+from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
 from hybridflow.utils.timer import timer
 
 
-class ReMaxTrainer:
+@register_driver("remax", owns_estimators={"remax": "it generates the greedy baseline"}, planned_as=("remax",))
+class ReMaxTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=remax``; usually ``adv_estimator=remax``: any
             estimator may read the ``reward_baselines`` this driver adds).
         actor: the actor(+rollout+ref) worker group.
         reward: the reward (rule-reward group or :class:`~hybridflow.trainer.scoring.RewardScorer`).
-        tracker: a :class:`~hybridflow.utils.tracking.Tracking`.
     """
 
-    def __init__(self, config, actor, reward, tracker) -> None:
-        self.config, self.actor, self.reward = config, actor, reward
-        self.ppo = PPOTrainer(config, actor, None, reward, tracker)
+    ROLES = ("actor", "reward", "reward_model")
+    CHECKPOINTED_ROLES = ("actor",)
+    global_step = SharedWithPPO()
+    data = SharedWithPPO()
 
-    def fit(self, train_batches, val_data, total_steps: int) -> dict:
-        """:meth:`PPOTrainer.fit` with this driver's step."""
-        return self.ppo.fit(train_batches, val_data, total_steps, driver=self)
+    def __init__(self, config: Any, actor: Any, reward: Any) -> None:
+        self.config, self.actor, self.reward = config, actor, reward
+        self.ppo = PPOTrainer(config, actor, None, reward)
+
+    @classmethod
+    def roles(cls, config: Any) -> dict[str, Role]:
+        return common_roles(config)  # the config check makes sure no critic is asked for
+
+    @classmethod
+    def config_problems(cls, get: Get) -> list[str]:
+        """ReMax trains no critic."""
+        from hybridflow.config.checks import need_critic_for
+
+        estimator = get("algorithm.adv_estimator")
+        if not need_critic_for(get("critic.enable"), estimator):
+            return []
+        return [f"algorithm.driver=remax trains no critic: use a critic-free estimator (remax) and leave "
+                f"critic.enable unset, got algorithm.adv_estimator={estimator}, critic.enable={get('critic.enable')}"]
+
+    @classmethod
+    def build(cls, config: Any, groups: dict[str, Any]) -> "ReMaxTrainer":
+        from hybridflow.trainer.scoring import build_reward
+
+        return cls(config, groups["actor"], build_reward(groups, config))
+
+    def checkpointed_groups(self) -> dict[str, Any]:
+        return self.ppo.checkpointed_groups()
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        return self.ppo.checkpointed_state()
 
     def validate(self, val_data: DataProto) -> dict[str, float]:
         return self.ppo.validate(val_data)

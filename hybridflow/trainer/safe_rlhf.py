@@ -8,22 +8,27 @@ One step = generate -> reward -> cost -> reference logprobs -> old logprobs -> r
 The two GAE advantages are taken raw (returns minus values, not whitened one by one, so that their ratio keeps
 the units lambda is measured in); their combination is whitened over the batch like the PPO driver's GAE
 advantages, which rescales the step by a positive factor and shifts it, and keeps the Lagrangian's direction.
-Checkpoints carry the cost critic and the multiplier; validation also reports ``val/cost``.
+Checkpoints carry the cost critic and the multiplier; validation also reports ``val/cost``. Generation, reward,
+reference/old logprobs (reference only when a KL term uses them), reward values and the actor update are the PPO
+driver's phases.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybridflow.algorithms import LagrangeMultiplier, compute_safe_rlhf_advantage, get_adv_estimator_fn, masked_whiten
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.ppo import PPOTrainer, absorb_metrics
-from hybridflow.trainer.steps import apply_kl_penalty
+from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.ppo import CRITIC, SCORE_MODEL, PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
 _CRITIC_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
-class SafeRLHFTrainer:
+@register_driver("safe_rlhf", planned_as=("safe-rlhf",))
+class SafeRLHFTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=safe_rlhf``, ``adv_estimator=gae``; the multiplier
             from ``algorithm.lagrangian``).
@@ -31,22 +36,58 @@ class SafeRLHFTrainer:
         critic: the reward critic group; cost_critic: the cost critic group (both ``CriticWorker``).
         reward: the reward (rule-reward group or :class:`~hybridflow.trainer.scoring.RewardScorer`).
         cost: a :class:`~hybridflow.trainer.scoring.CostScorer`.
-        tracker: a :class:`~hybridflow.utils.tracking.Tracking`.
     """
 
-    def __init__(self, config, actor, critic, cost_critic, reward, cost, tracker) -> None:
+    ROLES = ("actor", "reward", "critic", "reward_model", "cost_critic", "cost_model")
+    CHECKPOINTED_ROLES = ("actor", "critic", "cost_critic")
+    global_step = SharedWithPPO()
+    data = SharedWithPPO()
+
+    def __init__(self, config: Any, actor: Any, critic: Any, cost_critic: Any, reward: Any, cost: Any) -> None:
         self.config, self.actor, self.critic, self.cost_critic = config, actor, critic, cost_critic
         self.reward, self.cost = reward, cost
         lag = config.algorithm.lagrangian
         self.lagrange = LagrangeMultiplier(lag.lambda_init, lag.lambda_lr, lag.threshold, lag.lambda_max,
                                            lag.episode_cost_window_size, min_lambda=lag.lambda_min)
-        self.ppo = PPOTrainer(config, actor, critic, reward, tracker)
-        self.ppo.checkpointed_groups["cost_critic"] = cost_critic
-        self.ppo.checkpointed_state["lagrange"] = self.lagrange
+        self.ppo = PPOTrainer(config, actor, critic, reward)
 
-    def fit(self, train_batches, val_data, total_steps: int) -> dict:
-        """:meth:`PPOTrainer.fit` with this driver's step and validation."""
-        return self.ppo.fit(train_batches, val_data, total_steps, driver=self)
+    @classmethod
+    def roles(cls, config: Any) -> dict[str, Role]:
+        """The PPO roles (the config check makes sure the reward critic is among them), a ``cost_critic`` with the
+        critic's settings and, with ``cost_model.enable``, a ``cost_model``."""
+        roles = common_roles(config)
+        roles["cost_critic"] = Role(CRITIC, sizes_schedule=True, checkpointed=True)
+        if config.cost_model.enable:
+            roles["cost_model"] = Role(SCORE_MODEL, ("cost_model",))
+        return roles
+
+    @classmethod
+    def config_problems(cls, get: Get) -> list[str]:
+        """Safe-RLHF needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
+        from hybridflow.config.checks import need_critic_for
+
+        estimator, problems = get("algorithm.adv_estimator"), []
+        if estimator != "gae" or not need_critic_for(get("critic.enable"), estimator):
+            problems.append(f"algorithm.driver=safe_rlhf uses a reward critic and a cost critic: set "
+                            f"algorithm.adv_estimator=gae and leave critic.enable unset, got "
+                            f"adv_estimator={estimator}, critic.enable={get('critic.enable')}")
+        if get("cost_model.rule") is None and not get("cost_model.enable"):
+            problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "
+                            "subtraction_before_last_step) and/or cost_model.enable=true with cost_model.model.path")
+        return problems
+
+    @classmethod
+    def build(cls, config: Any, groups: dict[str, Any]) -> "SafeRLHFTrainer":
+        from hybridflow.trainer.scoring import build_cost, build_reward
+
+        return cls(config, groups["actor"], groups["critic"], groups["cost_critic"], build_reward(groups, config),
+                   build_cost(groups, config))
+
+    def checkpointed_groups(self) -> dict[str, Any]:
+        return {**self.ppo.checkpointed_groups(), "cost_critic": self.cost_critic}
+
+    def checkpointed_state(self) -> dict[str, Any]:
+        return {**self.ppo.checkpointed_state(), "lagrange": self.lagrange}
 
     def validate(self, val_data: DataProto) -> dict[str, float]:
         """``val/score`` and ``val/cost`` of the greedy responses (see :func:`validate`)."""
@@ -54,35 +95,25 @@ class SafeRLHFTrainer:
 
     def step(self, batch: DataProto) -> dict[str, float]:
         """One Safe-RLHF iteration on a batch of prompts; returns its metrics."""
-        n, t = self.config.actor_rollout_ref.rollout.n, {}
-        prompts = self.ppo.pop_prompts(batch)
+        t: dict[str, float] = {}
         with timer("step", t):
-            with timer("gen", t):
-                gen = self.actor.generate_sequences(prompts)
-            sync = gen.meta_info.pop("sync_metrics", {})  # LoRA: the rollout's weights checked (sync/verified)
-            batch = batch.repeat(n, interleave=True).union(gen)
-            with timer("reward", t):
-                batch.union(self.reward.compute_rm_score(batch))
+            batch = self.ppo.generate_and_score(batch, t)
             with timer("cost", t):
                 batch.batch["token_level_cost_scores"] = self.cost.compute_cost(batch)
-            with timer("ref", t):
-                batch.union(self.actor.compute_ref_log_prob(batch))
-            with timer("old_log_prob", t):
-                batch.union(self.actor.compute_log_prob(batch))
+            self.ppo.log_probs(batch, t)
+            self.ppo.values(batch, t)
             with timer("values", t):
-                batch.union(self.critic.compute_values(batch))
                 batch.batch["cost_values"] = self.cost_critic.compute_values(batch).batch["values"]
             with timer("adv", t):
                 metrics = self.lagrangian_advantages(batch)
+            metrics.update(self.ppo.update_critic(batch, t))
             with timer("update_critic", t):
-                metrics.update(absorb_metrics(self.critic.update_critic(batch), batch))
                 cost_targets = batch.select(_CRITIC_INPUTS + ["cost_values", "cost_returns"])
                 cost_targets.rename(["cost_values", "cost_returns"], ["values", "returns"])
                 cost_metrics = absorb_metrics(self.cost_critic.update_critic(cost_targets), batch)
                 metrics.update({"cost_" + k: v for k, v in cost_metrics.items()})
-            with timer("update_actor", t):
-                metrics.update(absorb_metrics(self.actor.update_actor(batch), batch))
-            metrics.update(sync)
+            metrics.update(self.ppo.update_actor(batch, t))
+            metrics.update(self.ppo.pop_sync_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.ppo.step_metrics(batch, metrics, t)
 
     def lagrangian_advantages(self, batch: DataProto) -> dict[str, float]:
@@ -93,11 +124,7 @@ class SafeRLHFTrainer:
         stepped on), ``lagrange/threshold`` and ``cost/score/mean`` (this batch; the mean reward is
         ``critic/score/mean``)."""
         alg, b = self.config.algorithm, batch.batch
-        metrics: dict[str, float] = {}
-        if alg.use_kl_in_reward:
-            metrics.update(apply_kl_penalty(batch, self.ppo.kl_ctrl, alg.kl_penalty))
-        else:
-            b["token_level_rewards"] = b["token_level_scores"]
+        metrics = self.ppo.kl_rewards(batch)
         kl_term = b["token_level_scores"] - b["token_level_rewards"]  # beta * KL per token (0 without KL)
         b["token_level_costs"] = b["token_level_cost_scores"] + kl_term
         gae, mask = get_adv_estimator_fn(alg.adv_estimator), b["response_mask"]

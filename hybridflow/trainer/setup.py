@@ -7,12 +7,11 @@ from contextlib import contextmanager
 import logging
 import os
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
-from hybridflow.config import need_critic
+from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
@@ -20,13 +19,10 @@ from hybridflow.errors import DataError, UserError
 from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.plugins import plugin_env
 from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
-from hybridflow.workers.actor_worker import ActorRolloutRefWorker
-from hybridflow.workers.critic_worker import CriticWorker
-from hybridflow.workers.generator_worker import GeneratorWorker
-from hybridflow.workers.reward_worker import RuleRewardWorker
-from hybridflow.workers.rm_worker import RewardModelWorker
+from hybridflow.trainer.driver import Role, all_roles, get_driver
 
 logger = logging.getLogger(__name__)
 
@@ -180,31 +176,14 @@ def total_training_steps(config, steps_per_epoch: int) -> int:
 
 
 DEFAULT_POOL = "global_pool"
-ROLES = ("actor", "critic", "reward", "reward_model", "cost_model", "cost_critic", "generator")  # worker-group roles
-_TAKE_TOTAL_STEPS = ("actor", "critic", "cost_critic")  # roles whose init_model sizes an lr schedule
 
 
-def worker_roles(config) -> dict[str, RayClassWithInitArgs]:
-    """The worker groups a run needs, by role: ``actor`` (+rollout+reference) and ``reward`` (rule reward and
-    rule cost) always; ``critic`` when :func:`~hybridflow.config.need_critic`; ``reward_model`` with
-    ``reward_model.enable``; for ``algorithm.driver=safe_rlhf`` a ``cost_critic`` (same settings as ``critic``)
-    and, with ``cost_model.enable``, a ``cost_model``; for ``algorithm.driver=async`` the ``generator`` group, and the
-    actor without a rollout (it trains; the generators sample)."""
-    is_async = config.algorithm.driver == "async"
-    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, config,
-                                           "actor_ref" if is_async else "actor_rollout_ref"),
-             "reward": RayClassWithInitArgs(RuleRewardWorker, config)}
-    if is_async:
-        roles["generator"] = RayClassWithInitArgs(GeneratorWorker, config)
-    if need_critic(config):
-        roles["critic"] = RayClassWithInitArgs(CriticWorker, config)
-    if config.reward_model.enable:
-        roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, "reward_model")
-    if config.algorithm.driver == "safe_rlhf":
-        roles["cost_critic"] = RayClassWithInitArgs(CriticWorker, config)
-        if config.cost_model.enable:
-            roles["cost_model"] = RayClassWithInitArgs(RewardModelWorker, config, "cost_model")
-    return roles
+def worker_roles(config: Any) -> dict[str, Role]:
+    """The worker groups a run needs, by role: what the driver ``algorithm.driver`` asks for
+    (:meth:`~hybridflow.trainer.driver.Driver.roles`; for the built-in drivers ``actor`` (+rollout+reference) and
+    ``reward`` always, ``critic`` when :func:`~hybridflow.config.need_critic`, ``reward_model`` with
+    ``reward_model.enable``, Safe-RLHF's ``cost_critic`` and ``cost_model``, the async driver's ``generator``)."""
+    return get_driver(config.algorithm.driver).roles(config)
 
 
 def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
@@ -215,14 +194,15 @@ def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
         ValueError: a role maps to a pool that is not defined (the message lists the pools).
     """
     tr = config.trainer
+    roles = all_roles()
     pools = dict(config.resource_pool.pools or {DEFAULT_POOL: [tr.n_gpus_per_node] * tr.nnodes})
     given = dict(config.resource_pool.mapping)
-    unknown = sorted(set(given) - set(ROLES))
+    unknown = sorted(set(given) - set(roles))
     if unknown:
-        raise ValueError(f"resource_pool.mapping has unknown roles {unknown}; roles are {list(ROLES)}")
+        raise ValueError(f"resource_pool.mapping has unknown roles {unknown}; roles are {list(roles)}")
     actor_pool = given.get("actor", DEFAULT_POOL)
     # a role not mapped explicitly shares the actor's pool
-    mapping = {role: given.get(role, actor_pool) for role in ROLES}
+    mapping = {role: given.get(role, actor_pool) for role in roles}
     for role, pool in mapping.items():
         if pool not in pools:
             where = f"resource_pool.mapping.{role}" if role in given else f"{role} (unmapped: follows the actor)"
@@ -246,35 +226,34 @@ def _use_gpu(device: str) -> bool | None:
 
 
 @contextmanager
-def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
-    """Spawn the groups of :func:`worker_roles` on their resource pools (each group has as many ranks as its
-    pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's
-    ``init_model`` concurrently,
-    and yield ``{role: group}``. On exit (also on error) the pools are removed, which ends their actors, so a
-    long-lived Ray cluster is left as it was found."""
+def worker_groups(config: Any, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
+    """Spawn the groups of :func:`worker_roles` on their resource pools (a
+    :class:`~hybridflow.controller.ResourcePoolManager` of the pools the roles use; each group has as many ranks as
+    its pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's
+    ``init_model`` concurrently, and yield ``{role: group}``. Every worker imports ``trainer.plugins`` before its
+    own constructor runs. On exit (also on error) the pools are removed, which ends their actors, so a long-lived
+    Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
     use_gpu = _use_gpu(config.trainer.device)
     roles = worker_roles(config)
-    sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
-    pools: dict[str, ResourcePool] = {}
+    used = {role: mapping[role] for role in roles}
+    manager = ResourcePoolManager({name: nodes for name, nodes in pools_spec.items() if name in used.values()},
+                                  used, use_gpu=use_gpu)
     try:
-        for name, nodes in pools_spec.items():
-            if sharing[name]:
-                pools[name] = ResourcePool(nodes, use_gpu=use_gpu, max_colocate_count=max(1, sharing[name]),
-                                           name_prefix=name)
         start = time.monotonic()
         logger.info("starting worker groups: %s", ", ".join(
             f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))
-        created = RayWorkerGroup.create_many([(pools[mapping[role]], cls, role) for role, cls in roles.items()])
+        env = plugin_env(config.trainer.plugins)
+        created = RayWorkerGroup.create_many([
+            (manager.get_resource_pool(role), RayClassWithInitArgs(spec.worker_class(), config, *spec.args), role)
+            for role, spec in roles.items()], env=env)
         groups = dict(zip(roles, created))
-        pending = {role: group.execute_all_async("init_model",
-                                                     *([total_steps] if role in _TAKE_TOTAL_STEPS else []))
+        pending = {role: group.execute_all_async("init_model", *([total_steps] if roles[role].sizes_schedule else []))
                    for role, group in groups.items()}
         _wait_until_up(groups, pending, start)
         yield groups
     finally:
-        for pool in pools.values():
-            pool.remove()
+        manager.remove()
 
 
 def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list], start: float) -> None:

@@ -10,7 +10,6 @@ import torch
 
 from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean, overlong_reward_penalty
 from hybridflow.protocol import DataProto
-from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import WORKER_TIME_PREFIX
 
 
@@ -35,6 +34,8 @@ def apply_overlong_penalty(data: DataProto, max_response_length: int, buffer_len
     mask = data.batch["response_mask"]
     penalty = overlong_reward_penalty(mask.sum(-1), max_response_length, buffer_len, penalty_factor)
     data.batch["overlong_penalty"] = penalty
+    from hybridflow.workers.reward_worker import place_scores  # the workers import Ray: not at config load
+
     data.batch["token_level_scores"] = data.batch["token_level_scores"] + place_scores(penalty, mask).to(
         data.batch["token_level_scores"].device)
 

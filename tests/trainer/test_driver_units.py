@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
 from hybridflow.trainer.steps import compute_advantage
@@ -38,7 +39,7 @@ def _prompts(b=3, p=4):
 
 def test_samples_of_a_prompt_share_its_uid_even_with_identical_prompts(tmp_path):
     cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
-    trainer = PPOTrainer(cfg, None, None, None, None)
+    trainer = PPOTrainer(cfg, None, None, None)
     batch = _prompts()  # rows 0 and 2 have identical prompt tensors and ground truth
     prompts = trainer.pop_prompts(batch)
     assert sorted(prompts.batch) == ["attention_mask", "input_ids", "position_ids"]
@@ -66,7 +67,7 @@ def _safe_config(tmp_path, *extra):
 
 
 def test_safe_rlhf_advantage_worked_by_hand(tmp_path):
-    trainer = SafeRLHFTrainer(_safe_config(tmp_path), None, None, None, None, None, None)
+    trainer = SafeRLHFTrainer(_safe_config(tmp_path), None, None, None, None, None)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     batch = DataProto.from_dict(tensors={
         "response_mask": mask,
@@ -102,32 +103,34 @@ def test_safe_rlhf_advantage_worked_by_hand(tmp_path):
 def test_safe_rlhf_checkpoint_carries_the_multiplier_and_the_cost_critic(tmp_path):
     cfg = _safe_config(tmp_path)
     groups = [StubGroup() for _ in range(3)]
-    trainer = SafeRLHFTrainer(cfg, *groups, None, None, None)
+    trainer = SafeRLHFTrainer(cfg, *groups, None, None)
     trainer.lagrange.update([1.0, 1.0, 0.0])
-    trainer.ppo.global_step = 3
-    path = trainer.ppo.save_checkpoint()
+    loop = TrainLoop(cfg, trainer)
+    loop.global_step = 3
+    path = loop.save_checkpoint()
     assert sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d))) == [
         "actor", "cost_critic", "critic"]
     fresh_groups = [StubGroup() for _ in range(3)]
-    fresh = SafeRLHFTrainer(cfg, *fresh_groups, None, None, None)
-    assert fresh.ppo.resume() == 3
+    fresh = SafeRLHFTrainer(cfg, *fresh_groups, None, None)
+    assert TrainLoop(cfg, fresh).resume() == 3
     assert fresh.lagrange.state_dict() == trainer.lagrange.state_dict()
     assert [g.loaded for g in fresh_groups] == [os.path.join(path, n) for n in ("actor", "critic", "cost_critic")]
 
 
 def test_resuming_another_drivers_checkpoint_names_what_is_missing(tmp_path):
-    ppo = PPOTrainer(load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"]),
-                     StubGroup(), StubGroup(), None, None)
+    cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    ppo = TrainLoop(cfg, PPOTrainer(cfg, StubGroup(), StubGroup(), None))
     ppo.global_step = 1
     ppo.save_checkpoint()
-    safe = SafeRLHFTrainer(_safe_config(tmp_path), StubGroup(), StubGroup(), StubGroup(), None, None, None)
+    safe_cfg = _safe_config(tmp_path)
+    safe = TrainLoop(safe_cfg, SafeRLHFTrainer(safe_cfg, StubGroup(), StubGroup(), StubGroup(), None, None))
     with pytest.raises(KeyError, match=r"no \['lagrange', 'cost_critic'\].*another algorithm.driver"):
-        safe.ppo.resume()
+        safe.resume()
 
 
 def test_safe_rlhf_driver_floors_lambda_at_lagrangian_lambda_min(tmp_path):
     trainer = SafeRLHFTrainer(_safe_config(tmp_path, "algorithm.lagrangian.lambda_min=0.5"),
-                              None, None, None, None, None, None)
+                              None, None, None, None, None)
     # threshold 0.25, lr 1: a zero-cost step would take log lambda from 0 to -0.25 (lambda 0.78), 3 of them to
     # exp(-0.75) = 0.47 < 0.5: held at the floor
     for _ in range(3):

@@ -12,6 +12,7 @@ import torch
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.dynamic_sampling import EXTRA_BATCH_SEED_OFFSET, collect_informative_groups
+from hybridflow.trainer.loop import DataCursor, TrainLoop
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.steps import compute_data_metrics
 
@@ -65,11 +66,11 @@ def _trainer(tmp_path, *overrides, world_size=2):
         f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4", f"actor_rollout_ref.rollout.n={N}",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "reward_model.overlong_buffer.enable=false", *overrides])
-    return PPOTrainer(cfg, FakeActor(world_size), None, FakeReward(), None)
+    return PPOTrainer(cfg, FakeActor(world_size), None, FakeReward())
 
 
 def _collect(trainer, first, *more):
-    trainer.set_data(lambda position: iter(more))
+    trainer.start(DataCursor(lambda position: iter(more)), 0)
     return collect_informative_groups(trainer, first, {})
 
 
@@ -140,14 +141,15 @@ class StubGroup:
         pass
 
 
-class ConsumingDriver:
+class ConsumingDriver(PPOTrainer):
     """A driver whose step pulls one extra prompt batch, as dynamic sampling does; records the batches seen."""
 
-    def __init__(self, trainer):
-        self.trainer, self.seen = trainer, []
+    def __init__(self, cfg):
+        super().__init__(cfg, StubGroup(), None, None)
+        self.seen = []
 
     def step(self, batch):
-        self.seen += [batch.meta_info["position"], self.trainer.next_batch().meta_info["position"]]
+        self.seen += [batch.meta_info["position"], self.next_batch().meta_info["position"]]
         return {}
 
 
@@ -163,16 +165,16 @@ def _positions(start):
 
 def _fit(tmp_path, steps):
     cfg = load_config("dapo_quickstart", [f"trainer.default_local_dir={tmp_path}", "trainer.save_freq=1"])
-    trainer = PPOTrainer(cfg, StubGroup(), None, None, NullTracker())
-    driver = ConsumingDriver(trainer)
-    trainer.fit(_positions, None, steps, driver=driver)
-    return trainer, driver.seen
+    driver = ConsumingDriver(cfg)
+    loop = TrainLoop(cfg, driver, NullTracker())
+    loop.fit(_positions, None, steps)
+    return loop, driver.seen
 
 
 def test_resume_continues_from_the_checkpointed_data_position(tmp_path):
     _, uninterrupted = _fit(tmp_path / "full", 3)
     first, seen_before = _fit(tmp_path / "parts", 2)
-    assert first.data_position == 4  # 2 steps x 2 batches: the position is not the step
+    assert first.consumed() == 4  # 2 steps x 2 batches: the position is not the step
     resumed, seen_after = _fit(tmp_path / "parts", 3)
     assert resumed.global_step == 3
     assert seen_before + seen_after == uninterrupted == [0, 1, 2, 3, 4, 5]
@@ -181,7 +183,7 @@ def test_resume_continues_from_the_checkpointed_data_position(tmp_path):
 def test_overlong_penalty_uses_the_response_length_whatever_the_prompt(tmp_path):
     cfg = load_config("dapo_quickstart", [f"trainer.default_local_dir={tmp_path}", "data.max_response_length=8",
                                           "reward_model.overlong_buffer.len=4"])
-    trainer = PPOTrainer(cfg, None, None, FakeReward(), None)
+    trainer = PPOTrainer(cfg, None, None, FakeReward())
     lengths = torch.tensor([3, 4, 6, 8, 8])  # buffer 4 of 8: 0, 0, (4 - 6) / 4, -1, -1
     response_mask = (torch.arange(8)[None] < lengths[:, None]).long()
     truncated = torch.tensor([False, False, False, True, False])  # the last one ended with an eos in slot 8
