@@ -56,6 +56,9 @@ def _run_train(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except UserError as exc:  # a trainer.plugins module that does not import: one line, before Ray
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     if args.print_config:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0

@@ -3,7 +3,6 @@
 Knows nothing about RL. See ``worker_group.py`` for the flow of one call.
 """
 
-from hybridflow.controller.colocate import create_colocated_worker_cls
 from hybridflow.controller.decorator import Dispatch, Execute, MethodSpec, get_method_spec, register
 from hybridflow.controller.dispatch import (
     DispatchError,
@@ -16,7 +15,7 @@ from hybridflow.controller.dispatch import (
 from hybridflow.controller.futures import DataProtoFuture, WorkerError
 from hybridflow.controller.resource_pool import ResourceError, ResourcePool, ResourcePoolManager
 from hybridflow.controller.worker import Worker
-from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup, WorkerGroupView
+from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
 
 __all__ = [
     "DataProtoFuture",
@@ -34,8 +33,6 @@ __all__ = [
     "ResourcePoolManager",
     "Worker",
     "WorkerError",
-    "WorkerGroupView",
-    "create_colocated_worker_cls",
     "get_dispatch_mode",
     "get_method_spec",
     "register",

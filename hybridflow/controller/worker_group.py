@@ -6,8 +6,8 @@ class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the 
 method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
 future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``).
 
-A group built from ``create_colocated_worker_cls`` holds several roles in one process per rank;
-``spawn(prefix_set)`` returns one ``WorkerGroupView`` per role.
+Roles that share memory run in one worker class (``ActorRolloutRefWorker`` holds actor, rollout and reference);
+roles in separate groups share devices through their resource pool.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.controller.decorator import Execute, MethodSpec, get_method_spec, get_registered_methods
+from hybridflow.controller.decorator import Execute, MethodSpec, get_registered_methods
 from hybridflow.controller.dispatch import (
     Collector,
     DispatchError,
@@ -34,7 +34,7 @@ from hybridflow.controller.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayClassWithInitArgs", "RayWorkerGroup", "WorkerGroupView"]
+__all__ = ["RayClassWithInitArgs", "RayWorkerGroup"]
 
 
 class RayClassWithInitArgs:
@@ -70,7 +70,8 @@ def _with_env(cls: type) -> type:
 
 
 class _WorkerGroupBase:
-    """Binding, dispatch and execution shared by ``RayWorkerGroup`` and its per-role ``WorkerGroupView``s."""
+    """Binding, dispatch and execution of a worker group's registered methods (``RayWorkerGroup`` adds the
+    actors)."""
 
     def __init__(self, name: str, workers: list, mesh_cache: dict[str, MeshDispatchInfo]) -> None:
         self._name = name
@@ -81,7 +82,7 @@ class _WorkerGroupBase:
     # ------------------------------------------------------------------ accessors
     @property
     def name(self) -> str:
-        """The group's name (its name prefix; ``parent.role`` for a view)."""
+        """The group's name (its name prefix)."""
         return self._name
 
     @property
@@ -322,42 +323,8 @@ class RayWorkerGroup(_WorkerGroupBase):
         cls._start_all(groups)
         return groups
 
-    def spawn(self, prefix_set: Any) -> dict[str, "WorkerGroupView"]:
-        """One ``WorkerGroupView`` per role prefix of a group built from ``create_colocated_worker_cls``.
-
-        Raises ``TypeError`` for a group of a plain class and ``KeyError`` listing the roles for unknown prefixes.
-        """
-        roles = getattr(self._cls, "_hf_colocated_roles", None)
-        if roles is None:
-            raise TypeError(f"{self._name}: spawn() needs a group built from create_colocated_worker_cls(...)")
-        unknown = sorted(set(prefix_set) - set(roles))
-        if unknown:
-            raise KeyError(f"{self._name}: unknown role prefixes {unknown}; roles: {sorted(roles)}")
-        return {prefix: WorkerGroupView(self, prefix, roles[prefix]) for prefix in prefix_set}
-
     def shutdown(self) -> None:
-        """Kill every actor of the group (views spawned from it stop working). Safe to call twice."""
+        """Kill every actor of the group. Safe to call twice."""
         for worker in self._workers:
             ray.kill(worker)
         self._workers.clear()
-
-
-class WorkerGroupView(_WorkerGroupBase):
-    """One role of a colocated ``RayWorkerGroup``: same actors, the role's methods under their own names.
-
-    ``view.update_actor(batch)`` calls the actors' ``actor_update_actor``; ``execute_all_async`` and friends
-    take the role's unprefixed method names (registered methods only).
-    """
-
-    def __init__(self, parent: RayWorkerGroup, prefix: str, methods: dict[str, str]) -> None:
-        super().__init__(f"{parent.name}.{prefix}", parent._workers, parent._mesh_cache)
-        self.prefix = prefix
-        for method_name, remote_name in methods.items():
-            func = getattr(parent._cls, remote_name)
-            self._bind(method_name, remote_name, get_method_spec(func), func.__doc__)
-
-    def _remote_name(self, method_name: str) -> str:
-        if method_name not in self._remote_names:
-            raise KeyError(f"role {self.prefix!r} has no registered method {method_name!r}; "
-                           f"methods: {sorted(self._remote_names)}")
-        return self._remote_names[method_name]

@@ -22,7 +22,7 @@ import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.driver import Driver, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                      compute_data_metrics, compute_timing_metrics)

@@ -1,4 +1,4 @@
-"""RayWorkerGroup end to end with real Ray actors on CPU: dispatch modes, env, gloo, futures, errors, colocation.
+"""RayWorkerGroup end to end with real Ray actors on CPU: dispatch modes, env, gloo, futures, errors.
 
 Every expected value is built by hand from the input (row indices, rank tags), never read back from the code.
 """
@@ -22,7 +22,6 @@ from hybridflow.controller import (
     ResourcePool,
     Worker,
     WorkerError,
-    create_colocated_worker_cls,
     register,
     register_dispatch_mode,
 )
@@ -159,27 +158,6 @@ class MeshWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def last_received(self):
         return self.received
-
-
-class ActorRole(Worker):
-    @register(Dispatch.ONE_TO_ALL)
-    def whoami(self):
-        return (os.getpid(), "actor", self.rank)
-
-
-class RefRole(Worker):
-    def __init__(self, shift):
-        super().__init__()
-        self.shift = shift
-        self._register_dispatch_collect_info("ref", dp_rank=self.rank, is_collect=True)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def whoami(self):
-        return (os.getpid(), "ref", self.rank)
-
-    @register(Dispatch.MESH_COMPUTE_PROTO, mesh_name="ref")
-    def shifted(self, data):
-        return DataProto.from_dict({"x": data.batch["x"] + self.shift})
 
 
 @pytest.fixture(scope="module")
@@ -340,25 +318,3 @@ def test_mesh_dispatch_dp2_tp2(ray_session, monkeypatch):
         if wg is not None:
             wg.shutdown()
         pool.remove()
-
-
-# ---------------------------------------------------------------------- colocation
-def test_colocated_roles_share_one_process(pool2):
-    cls = create_colocated_worker_cls(
-        {"actor": RayClassWithInitArgs(ActorRole), "ref": RayClassWithInitArgs(RefRole, shift=1000)}
-    )
-    wg = RayWorkerGroup(pool2, cls, name_prefix="colo")
-    try:
-        roles = wg.spawn({"actor", "ref"})
-        actor_ids, ref_ids = roles["actor"].whoami(), roles["ref"].whoami()
-        assert [(role, rank) for _, role, rank in actor_ids] == [("actor", 0), ("actor", 1)]
-        assert [(role, rank) for _, role, rank in ref_ids] == [("ref", 0), ("ref", 1)]
-        assert [pid for pid, _, _ in actor_ids] == [pid for pid, _, _ in ref_ids]  # same process per rank
-        assert actor_ids[0][0] != actor_ids[1][0]  # different processes across ranks
-        # A role's mesh is visible through the colocated process; the batch goes as a keyword argument
-        # (an ObjectRef after the one put per chunk, which Ray resolves) and is padded 3 -> 4 and unpadded.
-        assert roles["ref"].dispatch_info("ref").collect_ranks == (0, 1)
-        assert roles["ref"].shifted(data=rows(3)).batch["x"].tolist() == [1000, 1001, 1002]
-        assert wg.actor_whoami() == actor_ids  # the parent group exposes the prefixed names
-    finally:
-        wg.shutdown()

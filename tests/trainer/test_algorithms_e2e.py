@@ -18,6 +18,7 @@ from hybridflow.models.builtin import resolve_model_path
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.rewards import default_compute_score
 from hybridflow.trainer.main import run_ppo
+from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.remax import ReMaxTrainer
 from hybridflow.trainer.scoring import build_reward
 from hybridflow.trainer.setup import build_data, worker_groups
@@ -119,7 +120,8 @@ def test_remax_baseline_is_the_reward_of_the_greedy_response(ray_session, tmp_pa
         expected = _reference_rewards(groups["actor"].generate_sequences(prompts), first.non_tensor_batch,
                                       score_model)
         BASELINES.clear()
-        ReMaxTrainer(cfg, groups["actor"], build_reward(groups, cfg), tracker).fit(train_batches, val_data, 2)
+        driver = ReMaxTrainer(cfg, groups["actor"], build_reward(groups, cfg))
+        TrainLoop(cfg, driver, tracker).fit(train_batches, val_data, 2)
     tracker.finish()
     assert len(BASELINES) == 2
     # step 1 saw the same prompts with the same (not yet updated) weights; each prompt's n samples share it

@@ -4,7 +4,7 @@ The dispatch pads the prompts to a multiple of the ranks and the rollout returns
 padding has to be removed from the outputs n rows per padding prompt. One set of worker groups (GRPO, tiny
 builtin model, 4-token responses) serves every case:
 
-* training: 2 PPO steps with 1, 3 and 5 prompts x n=2 (``PPOTrainer.fit``, validation at the end with
+* training: 2 PPO steps with 1, 3 and 5 prompts x n=2 (``TrainLoop.fit``, validation at the end with
   ``val_kwargs.do_sample=true, n=2`` on an odd-sized validation set). With n=1 or 3 an odd number of prompts
   gives an odd number of sequences, which the PPO update cannot split over 2 ranks: the config loader refuses
   those before Ray starts (checked here too).
@@ -18,6 +18,7 @@ import json
 import pytest
 
 from hybridflow.config import ConfigError, load_config
+from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.scoring import build_reward
 from hybridflow.trainer.setup import build_data, worker_groups
@@ -61,8 +62,8 @@ def test_train_two_steps_with_n2_and_validate_odd_set(groups, tmp_path, prompts)
     assert len(val_data) == prompts
     tracker = Tracking("t", "uneven", out, backends=["jsonl"])
     try:
-        trainer = PPOTrainer(cfg, groups["actor"], None, build_reward(groups, cfg), tracker)
-        last_val = trainer.fit(batches, val_data, STEPS)
+        trainer = PPOTrainer(cfg, groups["actor"], None, build_reward(groups, cfg))
+        last_val = TrainLoop(cfg, trainer, tracker).fit(batches, val_data, STEPS)
     finally:
         tracker.finish()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
