@@ -4,7 +4,7 @@ role-to-pool mapping and the chosen layouts.
 
 hybridflow runs the reference policy inside the actor's process (``ActorRolloutRefWorker``), so the snippet
 maps the reference with the actor whatever the plan says (a comment notes a plan that put it elsewhere); roles
-the config has no worker for (Safe-RLHF's cost model and cost critic) are reported in comments only.
+the driver of the planned algorithm has no worker for (the driver registry's roles) are reported in comments only.
 """
 
 from __future__ import annotations
@@ -25,6 +25,15 @@ ADV_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 
 def _pool_name(roles: tuple[str, ...]) -> str:
     return "_".join(roles)
+
+
+def _driver(algorithm: str) -> tuple[str | None, tuple[str, ...]]:
+    """The driver that runs the planned ``algorithm`` (the driver registry's ``planned_as``) and its config roles;
+    (None, ()) when no driver runs it."""
+    from hybridflow.trainer.driver import driver_for_plan, get_driver
+
+    driver = driver_for_plan(algorithm)
+    return driver, (get_driver(driver).ROLES if driver else ())
 
 
 def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tuple[dict, list[str]]:
@@ -56,10 +65,13 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     if "reference" in roles and "reference" not in actor_set.roles:
         notes.append(f"reference: planned on pool {_pool_name(plan.set_of('reference').roles)}, but hybridflow runs "
                      "it inside the actor's process (ActorRolloutRefWorker), so it runs on the actor's pool")
-    for role in ("cost", "cost_critic"):
-        if role in roles:
-            notes.append(f"{role}: planned on pool {_pool_name(plan.set_of(role).roles)}; the config has no "
-                         f"{role} worker yet, so it is not mapped")
+    driver, driver_roles = _driver(workload.algorithm)
+    for role, config_role in (("cost", "cost_model"), ("cost_critic", "cost_critic")):
+        if role in roles and config_role in driver_roles:
+            mapping[config_role] = _pool_name(plan.set_of(role).roles)
+        elif role in roles:
+            notes.append(f"{role}: planned on pool {_pool_name(plan.set_of(role).roles)}; no driver for "
+                         f"{workload.algorithm} has a {config_role} worker, so it is not mapped")
     used = set(mapping.values())
     pools = {}
     for est, per_node in zip(plan.sets, pools_per_set):
@@ -109,7 +121,9 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     if workload.algorithm in ADV_ESTIMATORS:
         config["algorithm"] = {"adv_estimator": ADV_ESTIMATORS[workload.algorithm]}
     else:
-        notes.append(f"algorithm: planned for {workload.algorithm}; choose its driver and estimator yourself")
+        notes.append(f"algorithm: planned for {workload.algorithm}; choose its estimator yourself")
+    if driver is not None:
+        config.setdefault("algorithm", {})["driver"] = driver
     return config, notes
 
 

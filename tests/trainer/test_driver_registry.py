@@ -1,0 +1,113 @@
+"""The driver registry and contract without Ray: names, roles, checkpoint tables, features, and the consumers that
+derive from it (resource-pool roles, the auto-mapper's emitter)."""
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.mapping.emit import plan_to_config
+from hybridflow.mapping.search import MappingSearch
+from hybridflow.mapping.specs import Workload, get_model, parse_cluster
+from hybridflow.protocol import DataProto
+from hybridflow.registry import UnknownNameError
+from hybridflow.trainer.driver import (Driver, all_checkpointed_roles, all_roles, driver_for_plan, driver_names,
+                                       drivers_with, get_driver, register_driver)
+from hybridflow.trainer.ppo import PPOTrainer
+
+RECIPES = {"ppo": "quickstart", "remax": "remax_quickstart", "safe_rlhf": "safe_rlhf_quickstart",
+           "async": "async_grpo_quickstart"}
+
+
+class Stub:
+    world_size = 1
+
+
+def test_builtin_drivers_are_registered_in_order():
+    assert driver_names()[:4] == ["ppo", "remax", "safe_rlhf", "async"]
+    with pytest.raises(UnknownNameError, match=r"unknown driver 'remx'; known: .*remax.*did you mean 'remax'"):
+        get_driver("remx")
+
+
+def test_register_driver_rejects_a_class_that_is_no_driver():
+    with pytest.raises(TypeError, match="subclass of hybridflow.trainer.driver.Driver"):
+        register_driver("not_a_driver")(object)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_roles_and_checkpoint_tables_agree(name):
+    cfg = load_config(RECIPES[name])
+    cls = get_driver(name)
+    roles = cls.roles(cfg)
+    assert set(roles) <= set(cls.ROLES) and set(cls.CHECKPOINTED_ROLES) <= set(cls.ROLES)
+    checkpointed = [r for r, spec in roles.items() if spec.checkpointed]
+    assert set(checkpointed) <= set(cls.CHECKPOINTED_ROLES)
+    driver = cls.build(cfg, {role: Stub() for role in roles})
+    assert isinstance(driver, Driver)
+    assert sorted(driver.checkpointed_groups()) == sorted(checkpointed)
+    for role, spec in roles.items():  # every declared worker class imports and is a Worker
+        from hybridflow.controller import Worker
+
+        assert issubclass(spec.worker_class(), Worker), role
+
+
+def test_role_sets_match_what_each_algorithm_trains():
+    def roles(recipe, *extra):
+        cfg = load_config(recipe, list(extra))
+        return set(get_driver(cfg.algorithm.driver).roles(cfg))
+
+    assert roles("quickstart") == {"actor", "reward", "critic"}
+    assert roles("grpo_quickstart") == {"actor", "reward"}
+    assert roles("safe_rlhf_quickstart") == {"actor", "reward", "critic", "cost_critic"}
+    assert roles("async_grpo_quickstart") == {"actor", "reward", "generator"}
+    assert set(all_roles()) >= {"actor", "critic", "reward", "reward_model", "cost_model", "cost_critic", "generator"}
+    assert all_checkpointed_roles()[:3] == ("actor", "critic", "cost_critic")
+    assert drivers_with("filter_groups") == ["ppo"] and drivers_with("bypass_old_log_prob")[:2] == ["ppo", "async"]
+
+
+class RecordingActor:
+    def __init__(self):
+        self.calls = []
+
+    def compute_ref_log_prob(self, batch):
+        self.calls.append("ref")
+        return DataProto.from_dict(tensors={"ref_log_prob": batch.batch["x"]})
+
+    def compute_log_prob(self, batch):
+        self.calls.append("old")
+        return DataProto.from_dict(tensors={"old_log_probs": batch.batch["x"]})
+
+
+@pytest.mark.parametrize("overrides, calls", [
+    ([], ["ref", "old"]),  # the recipe subtracts a KL from the reward
+    (["algorithm.use_kl_in_reward=false"], ["old"]),  # no KL term reads the reference: not computed
+    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"], ["ref", "old"]),
+])
+def test_reference_logprobs_only_when_a_kl_term_uses_them(overrides, calls):
+    import torch
+
+    cfg = load_config("safe_rlhf_quickstart", overrides)
+    actor = RecordingActor()
+    driver = get_driver("safe_rlhf")(cfg, actor, None, None, None, None)
+    driver.ppo.log_probs(DataProto.from_dict(tensors={"x": torch.zeros(2, 3)}), {})  # the phase its step runs
+    assert actor.calls == calls
+
+
+def test_emitted_plan_names_the_driver_and_maps_its_roles():
+    cluster = parse_cluster("1x8:A100-80G")
+    roles = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
+    models = {r: get_model("7B") for r in roles}
+    workload = Workload(algorithm="safe-rlhf")
+    plan = MappingSearch(models, workload, cluster).plan([list(roles)], [8])
+    config, notes = plan_to_config(plan, cluster, workload)
+    assert driver_for_plan("safe-rlhf") == "safe_rlhf" and config["algorithm"]["driver"] == "safe_rlhf"
+    mapping = config["resource_pool"]["mapping"]
+    assert mapping["cost_critic"] == mapping["actor"] and mapping["cost_model"] == mapping["actor"]
+    assert not any("not mapped" in n for n in notes)
+    remax, _ = plan_to_config(MappingSearch({r: get_model("7B") for r in ("actor", "reference", "reward")},
+                                            Workload(algorithm="remax"), cluster).plan([["actor", "reference", "reward"]],
+                                                                                       [8]),
+                              cluster, Workload(algorithm="remax"))
+    assert remax["algorithm"] == {"adv_estimator": "remax", "driver": "remax"}
+
+
+def test_ppo_trainer_is_the_ppo_driver():
+    assert get_driver("ppo") is PPOTrainer
