@@ -26,9 +26,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 logger = logging.getLogger(__name__)
 
@@ -157,14 +160,14 @@ RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "
                "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size")
 
 
-def save_config(config, path: str) -> None:
+def save_config(config: DictConfig, path: str) -> None:
     """Write the resolved ``config`` to ``path`` (YAML): a checkpoint part (``<ckpt>/config.yaml``)."""
     from omegaconf import OmegaConf
 
     OmegaConf.save(config, path, resolve=True)
 
 
-def resume_signature(config) -> dict[str, Any]:
+def resume_signature(config: DictConfig) -> dict[str, Any]:
     """The values of ``RESUME_KEYS`` in ``config`` (a loaded config or one read back from a checkpoint) plus the
     number of ranks of each group a driver checkpoints (``ranks of <role>``, the roles its
     :meth:`~hybridflow.trainer.driver.Driver.roles` marks ``checkpointed``, from ``resource_pool`` or
@@ -187,7 +190,7 @@ def resume_signature(config) -> dict[str, Any]:
     return sig
 
 
-def check_resume_config(config, path: str) -> None:
+def check_resume_config(config: DictConfig, path: str) -> None:
     """Raise when checkpoint ``path`` was written with a config that ``config`` cannot resume (differing
     :func:`resume_signature`). A checkpoint without ``config.yaml`` (written before checkpoints carried it) is
     resumed with a warning.

@@ -10,11 +10,14 @@ Shapes: (B, R) = sequences, response tokens.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from hybridflow.protocol import DataProto
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 class RewardScorer:
@@ -27,7 +30,7 @@ class RewardScorer:
         combine: ``sum`` (rule + model) or ``model`` (model only; the rule reward is not computed).
     """
 
-    def __init__(self, rule, model, combine: str = "sum") -> None:
+    def __init__(self, rule: Any, model: Any, combine: str = "sum") -> None:
         if combine not in ("sum", "model"):
             raise ValueError(f"reward_model.combine must be sum or model, got {combine!r}")
         self.rule, self.model, self.combine = rule, model, combine
@@ -57,7 +60,7 @@ class CostScorer:
         ValueError: both are None.
     """
 
-    def __init__(self, rule=None, model=None) -> None:
+    def __init__(self, rule: Any = None, model: Any = None) -> None:
         if rule is None and model is None:
             raise ValueError("CostScorer needs a rule cost (cost_model.rule) or a cost model (cost_model.enable)")
         self.rule, self.model = rule, model
@@ -72,14 +75,14 @@ class CostScorer:
         return torch.stack(parts).sum(0)
 
 
-def build_reward(groups: dict, config):
+def build_reward(groups: dict[str, Any], config: DictConfig) -> Any:
     """The reward a driver uses: the rule-reward group, or a :class:`RewardScorer` with ``reward_model.enable``."""
     if not config.reward_model.enable:
         return groups["reward"]
     return RewardScorer(groups["reward"], groups["reward_model"], config.reward_model.combine)
 
 
-def build_cost(groups: dict, config) -> Optional[CostScorer]:
+def build_cost(groups: dict[str, Any], config: DictConfig) -> Optional[CostScorer]:
     """The Safe-RLHF cost from ``cost_model``: None when neither a rule cost nor a cost model is configured."""
     rule = groups["reward"] if config.cost_model.rule is not None else None
     model = groups.get("cost_model") if config.cost_model.enable else None

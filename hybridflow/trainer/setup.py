@@ -7,7 +7,7 @@ from contextlib import contextmanager
 import logging
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -24,9 +24,13 @@ from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
 from hybridflow.trainer.driver import Role, all_roles, get_driver
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
-def init_ray(config) -> bool:
+def init_ray(config: DictConfig) -> bool:
     """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set (the cluster's own node IPs are used),
     else start a local cluster (with ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all
     resource pools + 1)) whose processes listen on ``trainer.ray_init.node_ip_address`` only (127.0.0.1 by
@@ -46,7 +50,7 @@ def init_ray(config) -> bool:
     return True
 
 
-def load_split(config, tokenizer, split: str) -> RLHFDataset:
+def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: str) -> RLHFDataset:
     """The ``train`` or ``val`` prompts: ``data.<split>_files`` (or the built-in task's split when unset),
     tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
     not used, ``reward_model.enable`` with ``combine=model``, or is a user's ``reward_model.compute_score``).
@@ -130,7 +134,7 @@ def _tokenizer(path: str, trust_remote_code: bool):
                         f"({type(exc).__name__}: {reason})") from None
 
 
-def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
+def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
     """``batches(start_step)``: the train batches from batch position ``start_step`` on (an endless iterator over
     epochs, each a permutation seeded by ``data.seed + epoch``, so the batches are a pure function of the
     position and a resumed run sees exactly the batches it would have seen; the position is the global step
@@ -152,7 +156,7 @@ def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto,
         raise DataError(f"data.train_batch_size={data.train_batch_size} exceeds the {len(train)} training prompts "
                         f"of data.train_files ({data.train_files or 'the built-in task'})")
 
-    def collate(features):
+    def collate(features: list[dict[str, Any]]) -> DataProto:
         return collate_fn(features, tokenizer.pad_token_id, data.max_prompt_length)
 
     def batches(start_step: int = 0) -> Iterator[DataProto]:
@@ -168,7 +172,7 @@ def build_data(config) -> tuple[Callable[[int], Iterator[DataProto]], DataProto,
     return batches, val_data, steps_per_epoch
 
 
-def total_training_steps(config, steps_per_epoch: int) -> int:
+def total_training_steps(config: DictConfig, steps_per_epoch: int) -> int:
     """``trainer.total_training_steps`` if set, else ``total_epochs`` x steps per epoch."""
     if config.trainer.total_training_steps:
         return int(config.trainer.total_training_steps)
@@ -178,7 +182,7 @@ def total_training_steps(config, steps_per_epoch: int) -> int:
 DEFAULT_POOL = "global_pool"
 
 
-def worker_roles(config: Any) -> dict[str, Role]:
+def worker_roles(config: DictConfig) -> dict[str, Role]:
     """The worker groups a run needs, by role: what the driver ``algorithm.driver`` asks for
     (:meth:`~hybridflow.trainer.driver.Driver.roles`; for the built-in drivers ``actor`` (+rollout+reference) and
     ``reward`` always, ``critic`` when :func:`~hybridflow.config.need_critic`, ``reward_model`` with
@@ -186,7 +190,7 @@ def worker_roles(config: Any) -> dict[str, Role]:
     return get_driver(config.algorithm.driver).roles(config)
 
 
-def resource_pool_spec(config) -> tuple[dict[str, list[int]], dict[str, str]]:
+def resource_pool_spec(config: DictConfig) -> tuple[dict[str, list[int]], dict[str, str]]:
     """Pools (name -> ranks per node) and the role -> pool mapping from ``resource_pool``; the default is one
     pool of ``n_gpus_per_node x nnodes`` ranks shared by every role.
 
@@ -226,7 +230,7 @@ def _use_gpu(device: str) -> bool | None:
 
 
 @contextmanager
-def worker_groups(config: Any, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
+def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
     """Spawn the groups of :func:`worker_roles` on their resource pools (a
     :class:`~hybridflow.controller.ResourcePoolManager` of the pools the roles use; each group has as many ranks as
     its pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's

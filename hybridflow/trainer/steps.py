@@ -6,14 +6,19 @@ chunks) and cost O(B x R), far less than moving the batch to a worker and back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean, overlong_reward_penalty
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import WORKER_TIME_PREFIX
 
+if TYPE_CHECKING:
+    from hybridflow.algorithms.kl import KLController
 
-def apply_kl_penalty(data: DataProto, kl_ctrl, kl_penalty_type: str = "kl") -> dict[str, float]:
+
+def apply_kl_penalty(data: DataProto, kl_ctrl: KLController, kl_penalty_type: str = "kl") -> dict[str, float]:
     """In-reward KL (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022, eq. 2): ``token_level_rewards`` (B, R) =
     ``token_level_scores`` - beta * KL(old_log_probs || ref_log_prob) on valid tokens. Updates ``kl_ctrl`` with
     the batch's mean per-sequence KL and returns metrics. Adds ``token_level_rewards`` to ``data`` in place."""
@@ -40,7 +45,7 @@ def apply_overlong_penalty(data: DataProto, max_response_length: int, buffer_len
         data.batch["token_level_scores"].device)
 
 
-def compute_advantage(data: DataProto, algorithm_config) -> None:
+def compute_advantage(data: DataProto, algorithm_config: Any) -> None:
     """Adds ``advantages`` and ``returns`` (B, R) fp32 to ``data`` with the estimator named by
     ``algorithm_config.adv_estimator`` (see :mod:`hybridflow.algorithms.advantage` for the calling convention).
     Passes what the batch has: ``values`` (B, R), the group ids ``uid`` (B,) and, from the ReMax driver,

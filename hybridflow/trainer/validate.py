@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from hybridflow.protocol import DataProto
 from hybridflow.utils.progress import Progress
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callab
             progress.update(len(chunk))
 
 
-def _scores(config, actor, reward, val_data: DataProto, sampling: dict, cost=None,
+def _scores(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, sampling: dict, cost: Any = None,
             costs: list[float] | None = None) -> tuple[list[float], list[str]]:
     """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``."""
     scores: list[float] = []
@@ -84,7 +87,7 @@ def _summarise(name: str, scores: list[float], sources: list[str]) -> dict[str, 
     return metrics
 
 
-def validate(config, actor, reward, val_data: DataProto, cost=None) -> dict[str, float]:
+def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, cost: Any = None) -> dict[str, float]:
     """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source; with
     ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``."""
     costs: list[float] = []
