@@ -27,13 +27,21 @@ def _pool_name(roles: tuple[str, ...]) -> str:
     return "_".join(roles)
 
 
-def _driver(algorithm: str) -> tuple[str | None, tuple[str, ...]]:
-    """The driver that runs the planned ``algorithm`` (the driver registry's ``planned_as``) and its config roles;
-    (None, ()) when no driver runs it."""
+def _map_driver_roles(plan: Plan, roles: list[str], algorithm: str, mapping: dict[str, str],
+                      notes: list[str]) -> str | None:
+    """Map the planned cost model and cost critic to their pools when the driver that runs ``algorithm`` (the
+    driver registry's ``planned_as``) has those roles, else note them; returns that driver (None: none)."""
     from hybridflow.trainer.driver import driver_for_plan, get_driver
 
     driver = driver_for_plan(algorithm)
-    return driver, (get_driver(driver).ROLES if driver else ())
+    driver_roles = get_driver(driver).ROLES if driver else ()
+    for role, config_role in (("cost", "cost_model"), ("cost_critic", "cost_critic")):
+        if role in roles and config_role in driver_roles:
+            mapping[config_role] = _pool_name(plan.set_of(role).roles)
+        elif role in roles:
+            notes.append(f"{role}: planned on pool {_pool_name(plan.set_of(role).roles)}; no driver for "
+                         f"{algorithm} has a {config_role} worker, so it is not mapped")
+    return driver
 
 
 def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tuple[dict, list[str]]:
@@ -65,13 +73,7 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     if "reference" in roles and "reference" not in actor_set.roles:
         notes.append(f"reference: planned on pool {_pool_name(plan.set_of('reference').roles)}, but hybridflow runs "
                      "it inside the actor's process (ActorRolloutRefWorker), so it runs on the actor's pool")
-    driver, driver_roles = _driver(workload.algorithm)
-    for role, config_role in (("cost", "cost_model"), ("cost_critic", "cost_critic")):
-        if role in roles and config_role in driver_roles:
-            mapping[config_role] = _pool_name(plan.set_of(role).roles)
-        elif role in roles:
-            notes.append(f"{role}: planned on pool {_pool_name(plan.set_of(role).roles)}; no driver for "
-                         f"{workload.algorithm} has a {config_role} worker, so it is not mapped")
+    driver = _map_driver_roles(plan, roles, workload.algorithm, mapping, notes)
     used = set(mapping.values())
     pools = {}
     for est, per_node in zip(plan.sets, pools_per_set):

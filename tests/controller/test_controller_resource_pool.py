@@ -59,3 +59,13 @@ def test_manager_maps_roles_to_pools(ray_session):
             manager.get_resource_pool("critic")
     finally:
         manager.remove()
+
+
+def test_manager_colocate_count_defaults_to_the_roles_sharing_each_pool(ray_session):
+    manager = ResourcePoolManager({"main": [1], "side": [1]}, {"actor": "main", "critic": "main", "reward": "side"},
+                                  max_colocate_count=None, cpus_per_bundle=0.25)
+    try:
+        assert manager.get_resource_pool("actor").max_colocate_count == 2
+        assert manager.get_resource_pool("reward").max_colocate_count == 1
+    finally:
+        manager.remove()

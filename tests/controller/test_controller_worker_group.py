@@ -318,3 +318,31 @@ def test_mesh_dispatch_dp2_tp2(ray_session, monkeypatch):
         if wg is not None:
             wg.shutdown()
         pool.remove()
+
+
+# ---------------------------------------------------------------------- plugins reach every worker class
+class PluginProbe(Worker):
+    """Records, in its own constructor (after ``Worker.__init__``), whether the plugin module was imported."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = [name for name in sys.modules if name.startswith("hybridflow_plugin_")]
+
+    @register(Dispatch.ONE_TO_ALL)
+    def probe(self):
+        return self.seen, os.getpid()
+
+
+def test_plugins_are_imported_in_every_rank_before_the_worker_constructor(pool2, tmp_path):
+    from hybridflow.plugins import plugin_env
+
+    plugin = tmp_path / "probe_plugin.py"
+    plugin.write_text("import os\nIMPORTED_IN = os.getpid()\n")
+    wg = RayWorkerGroup(pool2, RayClassWithInitArgs(PluginProbe), name_prefix="plugins",
+                        env=plugin_env([str(plugin)]))
+    try:
+        results = wg.probe()
+        assert [seen for seen, _ in results] == [["hybridflow_plugin_probe_plugin"]] * 2
+        assert all(pid != os.getpid() for _, pid in results)
+    finally:
+        wg.shutdown()
