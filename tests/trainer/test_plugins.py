@@ -26,7 +26,7 @@ SHORT = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_
          "actor_rollout_ref.rollout.n=2", "data.builtin_val_size=8"]
 
 USER_DRIVER = '''
-"""A user driver: REINFORCE with the group mean as baseline, built from the PPO driver's phases."""
+"""A user driver: critic-free, built from the PPO driver's phases; logs the step it ran."""
 from hybridflow.trainer.driver import Driver, register_driver
 from hybridflow.trainer.ppo import PPOTrainer, common_roles
 from hybridflow.utils.timer import timer
@@ -114,20 +114,24 @@ def test_user_driver_config_check_runs_at_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_policy_loss_from_a_plugin_module_runs_in_the_actor_workers(tmp_path, monkeypatch):
+def test_policy_loss_from_a_plugin_module_runs_in_the_actor_workers(tmp_path):
     marker = tmp_path / "called"
     (tmp_path / "my_losses_plugin.py").write_text(_marker_loss_module(marker))
-    # a module name (not a path): importable through PYTHONPATH, which the Ray workers inherit
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    # a module name (not a path), importable through PYTHONPATH; a fresh process starts its own Ray cluster,
+    # whose workers inherit that PYTHONPATH
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "run"
-    rc = main(["train", "grpo_quickstart", *SHORT, "trainer.plugins=[my_losses_plugin]",
-               "actor_rollout_ref.actor.policy_loss=marked_vanilla", f"trainer.default_local_dir={out}"])
-    assert rc == 0
+    proc = subprocess.Popen([sys.executable, "-m", "hybridflow", "train", "grpo_quickstart", *SHORT,
+                             "trainer.plugins=[my_losses_plugin]", "actor_rollout_ref.actor.policy_loss=marked_vanilla",
+                             f"trainer.default_local_dir={out}"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
     pids = {int(p.read_text()) for p in tmp_path.glob("called.*")}
     assert pids, "the plugin's loss never ran"
-    assert os.getpid() not in pids  # it ran in the workers, not in the driver
+    assert proc.pid not in pids and os.getpid() not in pids  # it ran in the workers, not in the driver
     assert len(pids) == 2  # one per actor rank (trainer.n_gpus_per_node=2)
+    assert [r["step"] for r in _rows(out)] == [1, 2]
 
 
 def test_misspelled_plugin_fails_in_one_line_before_ray_starts(tmp_path):
