@@ -15,15 +15,11 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 
 from __future__ import annotations
 
-import os
-
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
-from hybridflow.models.hf import load_tokenizer
-from hybridflow.models.builtin import resolve_model_path
+from hybridflow.models.hf import load_score_model, load_tokenizer  # load_score_model: re-exported for callers
 from hybridflow.protocol import DataProto
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.reward_worker import place_scores
@@ -44,45 +40,6 @@ def last_token_scores(token_scores: torch.Tensor, attention_mask: torch.Tensor) 
     """(B,) fp32: each row of ``token_scores`` (B, L) read at :func:`last_valid_index` of ``attention_mask``."""
     rows = torch.arange(token_scores.shape[0], device=token_scores.device)
     return token_scores[rows, last_valid_index(attention_mask)].float()
-
-
-def load_score_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A one-label scorer from a local directory, as ``AutoModelForTokenClassification`` (a score per token).
-
-    A ``*ForSequenceClassification`` checkpoint loads into the token-classification class of the same
-    architecture: both keep their head in ``score``; the head is built without bias to match. Dropout is off.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a local directory.
-        ValueError: the checkpoint has no trained ``score`` head (e.g. a plain causal LM), or has more than one
-            label.
-    """
-    local = resolve_model_path(path)
-    if not os.path.isdir(local):
-        raise FileNotFoundError(f"score model path {path!r} is not a local directory; hybridflow never downloads "
-                                "weights, so pass a local Hugging Face model directory")
-    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code)
-    architectures = config.architectures or []
-    if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
-        raise ValueError(f"score model at {path!r} has no trained score head (architectures {architectures}); "
-                         "expected a *ForSequenceClassification or *ForTokenClassification checkpoint")
-    if config.num_labels != 1:
-        raise ValueError(f"score model at {path!r} has num_labels={config.num_labels}; a reward or cost model "
-                         "must have exactly one label")
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
-        config.token_classification_bias = False  # sequence-classification heads have no bias
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        local, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-    )
-    missing = [k for k in info["missing_keys"] if k.split(".")[0] == "score"]
-    if missing:
-        raise ValueError(f"score model at {path!r} has no trained score head (missing {missing}); expected a "
-                         "*ForSequenceClassification or *ForTokenClassification checkpoint with num_labels=1")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    model.requires_grad_(False)
-    return model.eval()
 
 
 class RewardModelWorker(Worker):
