@@ -18,9 +18,10 @@ from __future__ import annotations
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
-from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
+from hybridflow.distributed import init_distributed
 from hybridflow.models.hf import load_score_model, load_tokenizer  # load_score_model: re-exported for callers
 from hybridflow.protocol import DataProto
+from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
@@ -60,7 +61,8 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Join the process group, load the scorer (``<role>.model``), shard it with FSDP2 over the group.
+        """Join the process group, build the scorer (``<role>.model``, frozen) with the ``<role>.strategy``
+        engine over the group.
 
         Raises:
             ValueError: its tokenizer's vocabulary differs from the actor's (token ids would not match).
@@ -76,17 +78,14 @@ class RewardModelWorker(Worker):
                              f"actor ({actor_model.path!r}); the scorer reads the actor's token ids, so it must "
                              "share the actor's vocabulary")
         self._register_dispatch_collect_info(MESH, dp_rank=self.rank, is_collect=True)
-        mesh = build_mesh(dp=self.world_size)
-        dtype = resolve_dtype(section.model.dtype, self.device_name)
-        module = load_score_model(section.model.path, dtype, section.model.trust_remote_code)
-        self.module = apply_fsdp2(module.to(self.device_name), mesh)
+        self.engine = get_engine_class(section.strategy).build(EngineSpec(
+            kind="score", model=section.model, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
+            role=self.role))
+        self.engine.set_train(False)
 
     @torch.no_grad()
     def _scores(self, micro: DataProto) -> torch.Tensor:
-        b = micro.batch
-        out = self.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                          position_ids=b["position_ids"], use_cache=False)
-        return last_token_scores(out.logits.squeeze(-1), b["attention_mask"])
+        return last_token_scores(self.engine.forward(micro)["token_scores"], micro.batch["attention_mask"])
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name=MESH)
     @report_time
