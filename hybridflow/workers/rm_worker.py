@@ -19,7 +19,7 @@ import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
-from hybridflow.models.hf import load_score_model, load_tokenizer  # load_score_model: re-exported for callers
+from hybridflow.models.hf import load_score_model, load_tokenizer  # noqa: F401 (load_score_model re-exported)
 from hybridflow.protocol import DataProto
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.actor_worker import setup_worker_process

@@ -66,12 +66,27 @@ def _handoff(events: list[str]) -> list[str]:
 
 
 EXPECTED = (["generate", "sleep", "update actor", "wake", "load_weights"] * STEPS)[:-2]
+OFFLOAD = ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+           "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+
+
+def _check_offload_around_generation(events: list[str]) -> None:
+    """With offload set, the actor engine's last offload/onload call before each generate is an offload and
+    before each update an onload (on CPU the moves are no-ops, the calls are what is checked)."""
+    last = None
+    for e in events:
+        if e in ("offload actor", "onload actor"):
+            last = e
+        elif e == "generate":
+            assert last == "offload actor", events
+        elif e == "update actor":
+            assert last == "onload actor", events
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,extra,critics", [
     ("quickstart", [], 1),
-    ("remax_quickstart", [], 0),
+    ("remax_quickstart", OFFLOAD, 0),
     ("safe_rlhf_quickstart", [], 2),
 ])
 def test_engine_by_strategy_and_rollout_handoff_order(tmp_path, recipe, extra, critics):
@@ -84,6 +99,8 @@ def test_engine_by_strategy_and_rollout_handoff_order(tmp_path, recipe, extra, c
         assert _handoff(ev) == EXPECTED, (pid, ev)
         # the rollout holds its own copy, reloaded in full after each update: it sleeps at level 2
         assert all(e == "sleep level=2" for e in ev if e.startswith("sleep"))
+        if extra == OFFLOAD:
+            _check_offload_around_generation(ev)
     # critic.strategy reached every rank of every critic group (safe_rlhf: reward and cost critics)
     assert len(builds) == 2 * critics
     assert len(critic_updates) == 2 * critics * STEPS

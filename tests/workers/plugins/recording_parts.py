@@ -50,7 +50,7 @@ class RecordingRollout(HFRollout):
 @register_engine("recording_fsdp2")
 class RecordingEngine(FSDP2Engine):
     """fsdp2, recording each build (``build <kind> <role>``) and each training step (``update <role>``: the lr
-    schedule advances once per update call) and offload/onload."""
+    schedule advances once per update call), ``offload <role>`` and ``onload <role>``."""
 
     @classmethod
     def build(cls, spec):
@@ -64,3 +64,7 @@ class RecordingEngine(FSDP2Engine):
     def offload(self) -> None:
         record(f"offload {self.spec.role}")
         super().offload()
+
+    def onload(self, optimizer: bool = True) -> None:
+        record(f"onload {self.spec.role}")
+        super().onload(optimizer)
