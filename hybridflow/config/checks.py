@@ -12,7 +12,10 @@ from typing import Any
 from hybridflow.utils.tracking import BACKEND_PACKAGES as LOGGER_PACKAGES
 from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 
-IMPLEMENTED_STRATEGIES = ("fsdp2",)  # training engines the workers build (actor_rollout_ref.actor.strategy)
+# the keys that choose a role's training engine from hybridflow.training.ENGINES
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "critic.strategy", "reward_model.strategy",
+                 "cost_model.strategy")
+DEFAULT_STRATEGY = "fsdp2"  # registered by hybridflow.training itself
 
 
 def need_critic_for(enable: bool | None, adv_estimator: str) -> bool:
@@ -182,12 +185,24 @@ def off_policy_problems(get: Callable[[str], Any]) -> list[str]:
             "or async_training.max_staleness=0"]
 
 
-def strategy_problems(strategy: str) -> list[str]:
-    if strategy in IMPLEMENTED_STRATEGIES:
+def strategy_problems(get: Callable[[str], Any]) -> list[str]:
+    """Each ``*.strategy`` must name a registered training engine (:data:`hybridflow.training.ENGINES`; a user
+    engine registers from a plugin module). The registry is imported only when a value is not the default."""
+    names = {key: get(key) for key in STRATEGY_KEYS}
+    if all(name == DEFAULT_STRATEGY for name in names.values()):
         return []
-    return [f"actor_rollout_ref.actor.strategy: {strategy!r} is not implemented; the training engine is "
-            f"{' | '.join(IMPLEMENTED_STRATEGIES)} (FSDP2 with DTensor tensor parallelism: "
-            "actor_rollout_ref.actor.tensor_model_parallel_size)"]
+    from hybridflow.training import ENGINES
+
+    known = ENGINES.names()
+    problems = []
+    for key, name in names.items():
+        if name not in ENGINES:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"{key}: {name!r} is not implemented; registered training engines: "
+                            f"{', '.join(known)}{hint}; a new one registers with "
+                            "hybridflow.training.register_engine")
+    return problems
 
 
 def reward_fn_problems(get: Callable[[str], Any]) -> list[str]:

@@ -404,7 +404,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
     checks += [lambda: batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
                lambda: logger_problems(get("trainer.logger")), lambda: vllm_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
-               lambda: reward_fn_problems(get), lambda: strategy_problems(get("actor_rollout_ref.actor.strategy")),
+               lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get)]
     problems: list[str] = []
     for check in checks:

@@ -51,7 +51,7 @@ class ModelConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = "fsdp2"  # training backend: fsdp2 (FSDP2 + DTensor tp), the only one implemented
+    strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training): fsdp2 (FSDP2 + DTensor tp)
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
     ppo_epochs: int = 1  # passes over the rollout batch per step
@@ -127,6 +127,7 @@ class ActorRolloutRefConfig:
 @dataclass
 class CriticConfig:
     enable: Optional[bool] = None  # None: enabled when the advantage estimator needs values (gae)
+    strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training) of the value model(s)
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # "" means the actor's model path
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
@@ -224,6 +225,7 @@ class RewardConfig:
     compute_score: str = "default"
     error_score: Optional[float] = None  # score used when a reward function raises; None stops with an error
     enable: bool = False  # also score with a reward model (a sequence/token-classification checkpoint)
+    strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training) that runs the reward model
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the reward model's local directory
     micro_batch_size_per_gpu: int = 16  # sequences per reward-model forward on one rank
     combine: str = "sum"  # with enable: sum (rule score + model score) | model (model score only)
@@ -235,6 +237,7 @@ class CostConfig:
     # The cost of a response for driver safe_rlhf: a rule cost, a cost model, or their sum.
     rule: Optional[str] = None  # registered rule-cost name (hybridflow.rewards.cost), e.g. subtraction_before_last_step
     enable: bool = False  # also score with a cost model (a sequence/token-classification checkpoint)
+    strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training) that runs the cost model
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the cost model's local directory
     micro_batch_size_per_gpu: int = 16  # sequences per cost-model forward on one rank
 

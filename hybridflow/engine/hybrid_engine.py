@@ -3,8 +3,10 @@ another, on the same ranks, resharding its weights in between without redundant 
 
 Lifecycle (every rank of the actor group calls these together, in the same order):
 
-1. ``HybridEngine(train_module, mesh, gen_tp)`` after the training module is sharded on ``mesh`` (FSDP2 over
-   ``dp``, DTensor tp over ``tp``; :func:`hybridflow.distributed.tp.parallelize_model`). It computes the
+1. ``HybridEngine(train_engine, gen_tp)`` with the actor's training engine (:class:`hybridflow.training.TrainEngine`;
+   the layout, shard boxes and shards come from its :meth:`weight_specs` / :meth:`iter_shards`, its offload from
+   :meth:`offload` / :meth:`onload`), or ``HybridEngine(module, mesh, gen_tp)`` for a module already sharded on
+   ``mesh`` (wrapped in an ``fsdp2`` engine). It computes the
    :class:`~hybridflow.engine.plan.ReshardPlan`, creates the generation tp process groups and the generation
    model's skeleton (meta device: no memory).
 2. :meth:`switch_to_generation` before generating: each rank assembles exactly its generation shard from its
@@ -29,13 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from hybridflow.distributed.fsdp import offload_module, offload_optimizer, onload_module, onload_optimizer
-from hybridflow.distributed.tp import tp_dims
+from hybridflow.distributed.tp import tp_dims  # the generation layout of the architecture
 from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, build_reshard_plan, is_contiguous_region,
                                     local_slices)
 from hybridflow.engine.tp_model import TPGroup, build_tp_generation_model
+from hybridflow.training import FSDP2Engine, TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -44,29 +45,19 @@ __all__ = ["HybridEngine", "DEFAULT_BUCKET_BYTES"]
 DEFAULT_BUCKET_BYTES = 64 << 20
 
 
-def _reshard_fsdp(module: torch.nn.Module) -> None:
-    """Make sure FSDP2 modules expose their sharded parameters (the root may stay unsharded after a forward)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.reshard()
-
-
 class HybridEngine:
     """Switches an FSDP2(/TP)-sharded actor between its training layout and a tensor-parallel generation model.
 
     Args:
-        train_module: the sharded causal LM (its parameters are DTensors on ``mesh``, or plain tensors on a
-            single rank).
-        mesh: the training DeviceMesh, ``("dp",)`` or ``("dp", "tp")``, over all ranks of the default group.
+        train: the actor's training engine over all ranks of the default group; or the sharded causal LM (its
+            parameters DTensors on ``mesh``, or plain tensors on a single rank), then with ``mesh``.
+        mesh: with a module, the training DeviceMesh, ``("dp",)`` or ``("dp", "tp")``; None with an engine.
         gen_tp: tp_g, the generation tensor-parallel size (dp_g = world / tp_g).
         bucket_bytes: bound on the bytes one rank sends plus receives per bucket (larger transfers are cut
             into row ranges; see :meth:`ReshardPlan.buckets`). Peak extra memory of a switch: the newly
             allocated generation shard plus at most one bucket of packed send/receive buffers.
-        optimizer: the training optimizer, offloaded with ``optimizer_offload``.
-        param_offload / optimizer_offload: move training parameters (and grads) / optimizer state to host
-            memory while generating.
+        optimizer, param_offload, optimizer_offload: with a module, the training optimizer and what to move to
+            host memory while generating; with an engine these are its own (``spec.param_offload`` ...).
 
     Raises:
         ValueError: layouts that do not fit (tp_g must divide or be a multiple of tp, and divide the world),
@@ -74,34 +65,37 @@ class HybridEngine:
         KeyError: ``gen_tp > 1`` for an architecture without a tensor-parallel plan.
     """
 
-    def __init__(self, train_module: torch.nn.Module, mesh: DeviceMesh, gen_tp: int,
+    def __init__(self, train: TrainEngine | torch.nn.Module, mesh: Optional[DeviceMesh] = None, gen_tp: int = 1,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, optimizer: Optional[torch.optim.Optimizer] = None,
                  param_offload: bool = False, optimizer_offload: bool = False) -> None:
+        if isinstance(train, torch.nn.Module):
+            train = FSDP2Engine.from_module(train, optimizer, mesh=mesh, param_offload=param_offload,
+                                            optimizer_offload=optimizer_offload)
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         if gen_tp < 1 or world % gen_tp:
             raise ValueError(f"rollout tensor_model_parallel_size={gen_tp} must divide the {world} ranks")
-        tp = mesh["tp"].size() if mesh.ndim == 2 else 1
-        self.train_module, self.optimizer = train_module, optimizer
-        self.param_offload, self.optimizer_offload = param_offload, optimizer_offload
-        params = dict(train_module.named_parameters())
-        first = next(iter(params.values()))
+        self.train_engine = train
+        self.train_module = train.module  # its HF config and buffers; the weights come through the engine
+        self.param_offload = train.spec.param_offload
+        self.offloads = train.spec.param_offload or train.spec.optimizer_offload
+        tp = train.layout.tp
+        specs = train.weight_specs()
+        first = next(train.module.parameters())
         self.device, dtype = first.device, first.dtype
-        no_split = {name: None for name in params}
         self.plan: ReshardPlan = build_reshard_plan(
-            {name: tuple(p.shape) for name, p in params.items()},
-            tp_dims(train_module, "train") if tp > 1 else no_split,
-            tp_dims(train_module, "generate") if gen_tp > 1 else no_split,
+            {name: w.shape for name, w in specs.items()}, {name: w.tp_dim for name, w in specs.items()},
+            {name: None for name in specs} if gen_tp == 1 else tp_dims(train.module, "generate"),
             Layout(world // tp, tp), Layout(world // gen_tp, gen_tp),
-            {name: p.element_size() for name, p in params.items()},
+            {name: w.element_size for name, w in specs.items()},
         )
         self.bucket_bytes = bucket_bytes
         self.buckets = self.plan.buckets(bucket_bytes)
         self.tp = self._make_tp_group()
-        self.module = build_tp_generation_model(train_module.config, self.tp, dtype)
+        self.module = build_tp_generation_model(self.train_module.config, self.tp, dtype)
         self._skeleton = dict(self.module.named_parameters())
-        if set(self._skeleton) != set(params):
-            only_gen, only_train = sorted(set(self._skeleton) - set(params)), sorted(set(params) - set(self._skeleton))
+        if set(self._skeleton) != set(specs):
+            only_gen, only_train = sorted(set(self._skeleton) - set(specs)), sorted(set(specs) - set(self._skeleton))
             raise RuntimeError(f"generation model and training model name their weights differently: only in "
                                f"generation {only_gen[:3]}, only in training {only_train[:3]}")
         # every (module, attribute) a weight is registered under: tied weights have several
@@ -148,7 +142,6 @@ class HybridEngine:
             return self.module
         start = time.perf_counter()
         self.onload_training_state()
-        _reshard_fsdp(self.train_module)
         local = self._local_shards()
         gen: dict[str, torch.Tensor] = {}
         for bucket in self.buckets:
@@ -161,7 +154,7 @@ class HybridEngine:
             owner, _, leaf = name.rpartition(".")
             self.module.get_submodule(owner)._buffers[leaf] = buf
         self._ready = True
-        if self.param_offload or self.optimizer_offload:
+        if self.offloads:
             self.offload_training_state()
         logger.debug("rank %d: switched to generation in %.3fs", self.rank, time.perf_counter() - start)
         return self.module
@@ -194,35 +187,28 @@ class HybridEngine:
                                "different tokens on different ranks; its decode loops are out of lockstep")
 
     def offload_training_state(self) -> None:
-        """Move training parameters and grads (``param_offload``) and optimizer state (``optimizer_offload``)
-        to host memory; a no-op for what is already there (always on CPU)."""
-        if self.param_offload:
-            offload_module(self.train_module)
-        if self.optimizer_offload and self.optimizer is not None:
-            offload_optimizer(self.optimizer)
+        """The training engine's :meth:`~hybridflow.training.TrainEngine.offload` (parameters and grads, optimizer
+        state, as its spec says); a no-op for what is already on the host (always on CPU)."""
+        self.train_engine.offload()
         self._offloaded = True
 
     def onload_training_state(self) -> None:
         """Undo :meth:`offload_training_state`."""
         if not self._offloaded:
             return
-        if self.param_offload:
-            onload_module(self.train_module, self.device.type)
-        if self.optimizer_offload and self.optimizer is not None:
-            onload_optimizer(self.optimizer, self.device.type)
+        self.train_engine.onload()
         self._offloaded = False
 
     # ------------------------------------------------------------------ transfer
     def _local_shards(self) -> dict[str, torch.Tensor]:
-        local = {}
+        """This rank's training shards from the engine's shard iterator, checked against the plan's boxes."""
+        local = dict(self.train_engine.iter_shards())
         for p in self.plan.params:
-            param = self.train_module.get_parameter(p.name)
-            tensor = param.to_local() if isinstance(param, DTensor) else param.detach()
+            tensor = local[p.name]
             expected = tuple(e - s for s, e in p.train_boxes[self.rank])
             if tuple(tensor.shape) != expected:
                 raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r} has shape {tuple(tensor.shape)}, "
                                    f"the reshard plan expects {expected} (layout {self.plan.train})")
-            local[p.name] = tensor
         return local
 
     def _transfer(self, bucket: Bucket, local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:

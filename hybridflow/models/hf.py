@@ -1,4 +1,4 @@
-"""Loading Hugging Face causal LMs, value models and tokenizers from local directories.
+"""Loading Hugging Face causal LMs, value models, score (reward/cost) models and tokenizers from local directories.
 
 Pad-token rule (documented for users): when the tokenizer has no pad token, hybridflow uses its eos token as
 pad. This never breaks the ``response_mask``, because the rollout derives the mask from the step at which each
@@ -12,7 +12,8 @@ import os
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer, GenerationConfig
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                          GenerationConfig)
 
 from hybridflow.models.builtin import resolve_model_path
 
@@ -87,3 +88,42 @@ def load_value_model(path: str, dtype: torch.dtype, trust_remote_code: bool = Fa
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model
+
+
+def load_score_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
+    """A one-label scorer from a local directory, as ``AutoModelForTokenClassification`` (a score per token).
+
+    A ``*ForSequenceClassification`` checkpoint loads into the token-classification class of the same
+    architecture: both keep their head in ``score``; the head is built without bias to match. Dropout is off.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a local directory.
+        ValueError: the checkpoint has no trained ``score`` head (e.g. a plain causal LM), or has more than one
+            label.
+    """
+    local = resolve_model_path(path)
+    if not os.path.isdir(local):
+        raise FileNotFoundError(f"score model path {path!r} is not a local directory; hybridflow never downloads "
+                                "weights, so pass a local Hugging Face model directory")
+    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code)
+    architectures = config.architectures or []
+    if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+        raise ValueError(f"score model at {path!r} has no trained score head (architectures {architectures}); "
+                         "expected a *ForSequenceClassification or *ForTokenClassification checkpoint")
+    if config.num_labels != 1:
+        raise ValueError(f"score model at {path!r} has num_labels={config.num_labels}; a reward or cost model "
+                         "must have exactly one label")
+    if any(a.endswith("ForSequenceClassification") for a in architectures):
+        config.token_classification_bias = False  # sequence-classification heads have no bias
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        local, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+    )
+    missing = [k for k in info["missing_keys"] if k.split(".")[0] == "score"]
+    if missing:
+        raise ValueError(f"score model at {path!r} has no trained score head (missing {missing}); expected a "
+                         "*ForSequenceClassification or *ForTokenClassification checkpoint with num_labels=1")
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.requires_grad_(False)
+    return model.eval()

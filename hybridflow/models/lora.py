@@ -56,7 +56,7 @@ def apply_lora(module: torch.nn.Module, model_config: Any) -> torch.nn.Module:
     """Wrap a Hugging Face causal LM in a ``peft.PeftModel`` with LoRA adapters per ``model_config``.
 
     Call before FSDP2 (``parallelize_model``): FSDP2 then shards the frozen base and the adapters alike, and only
-    the adapters have ``requires_grad`` (so :func:`hybridflow.workers.optim.build_optimizer` keeps state for them
+    the adapters have ``requires_grad`` (so :func:`hybridflow.training.optim.build_optimizer` keeps state for them
     only). The base weights keep their dtype (``model.dtype``); the adapters are created in the same dtype.
     """
     from peft import get_peft_model

@@ -1,7 +1,17 @@
-"""The actor role: policy training (FSDP2) + its rollout engine + the reference policy, in one process per rank.
+"""The actor role: policy training (its ``actor.strategy`` engine) + its rollout engine + the reference policy, in one
+process per rank.
 
 Colocating the three roles lets the rollout take its weights from the actor in memory after every update
-(``load_weights`` from the gathered FSDP shards, no disk) and lets the frozen reference share the process.
+(``load_weights`` from the engine's gathered weights, no disk) and lets the frozen reference share the process.
+The worker touches its models only through :class:`hybridflow.training.TrainEngine` and the rollout contract.
+
+The memory handoff, every step: ``generate_sequences`` -> (first training-side call: ``compute_log_prob``,
+``compute_ref_log_prob``, ``update_actor``, a checkpoint) the rollout ``sleep()``s, releasing its KV cache and, at
+level 2, its weights; the actor engine onloads what ``fsdp_config`` offloads -> train -> (next
+``generate_sequences``) the rollout ``wake()``s, ``load_weights`` gets the new weights, the actor engine offloads
+-> generate. With the 3D-HybridEngine (hf) the switch to training frees the generation copy (the rollout's
+weights) and the switch to generation reshards the new weights into it (README "Training engines and the memory
+handoff").
 Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``,
 or ``actor_ref`` (no rollout: the trainer of the async driver, whose generators are a separate worker group that
 receives the weights through :meth:`ActorRolloutRefWorker.send_weights`).
@@ -27,16 +37,15 @@ import torch
 
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.controller import Dispatch, Execute, Worker, register
-from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, open_store
-from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model, resolve_dtype
+from hybridflow.distributed import init_distributed, resolve_dtype
 from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import get_rollout_class
-from hybridflow.workers.optim import build_lr_scheduler, build_optimizer
+from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.ppo_actor import PPOActor
 
 logger = logging.getLogger(__name__)
@@ -93,14 +102,15 @@ class ActorRolloutRefWorker(Worker):
         self._has_ref = role in ("actor_rollout_ref", "ref", "actor_ref")
         self._has_rollout = role in ("actor_rollout_ref", "actor_rollout")
         self._weight_sync = None  # the transfer group to the async driver's generators (actor_ref)
-        self._rollout_stale = True
+        self._rollout_stale = True  # the rollout's weights differ from the actor's (or were discarded by a sleep)
+        self._rollout_asleep = False
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
         self._lora = lora_lib.lora_enabled(config.actor_rollout_ref.model)  # actor wrapped by peft (README "LoRA")
         self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
-        """Join the process group, load the policy (+ reference), shard with FSDP2, build the rollout.
+        """Join the process group, build the policy (+ reference) engines of ``actor.strategy``, the rollout.
         ``total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
         setup_worker_process()
         init_distributed()
@@ -109,7 +119,7 @@ class ActorRolloutRefWorker(Worker):
         self.device = self.device_name
         tp = cfg.actor.tensor_model_parallel_size
         self.dp_size = self.world_size // tp
-        mesh = build_mesh(dp=self.dp_size, tp=tp)
+        layout = ParallelLayout(dp=self.dp_size, tp=tp)
         dp_rank, tp_rank = divmod(self.rank, tp)
         self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0)
         dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -117,54 +127,55 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
         # the distribution the rollout samples from, which the actor's logprobs are taken under (see PPOActor)
         sampling = SamplingSpec.of(cfg.rollout.do_sample, cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+        engine_cls = get_engine_class(cfg.actor.strategy)
         if self._has_actor:
-            module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
-            if self._lora:  # before FSDP2: only the adapters require grad, so only they get optimizer state
-                module = lora_lib.apply_lora(module, cfg.model)
-            if cfg.model.enable_gradient_checkpointing:
-                module.gradient_checkpointing_enable()
-            module = parallelize_model(module.to(self.device), mesh)
-            optimizer = build_optimizer(module, cfg.actor.optim)
-            self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
+            fsdp = cfg.actor.fsdp_config
+            engine = engine_cls.build(EngineSpec(
+                kind="policy", model=cfg.model, layout=layout, device=self.device, optim=cfg.actor.optim,
+                total_steps=total_training_steps, grad_clip=cfg.actor.grad_clip,
+                nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
+                optimizer_offload=fsdp.optimizer_offload, lora=self._lora, role="actor"))
             scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
-            self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad,
-                                  loss_scale_factor=scale)
+            self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=scale)
         if self._has_rollout:
-            rollout_cls = get_rollout_class(cfg.rollout.name)
-            rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
-            # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
-            use_engine = cfg.rollout.name == "hf" and not self._lora
-            if rollout_cls.needs_module and not use_engine:
-                rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
-                if self._lora and cfg.rollout.lora_sync == "adapter":  # base + adapters, refreshed by A and B only
-                    rollout_module = lora_lib.apply_lora(rollout_module, cfg.model)
-                rollout_module = rollout_module.to(self.device)
-            rollout_cfg = make_rollout_config(self.config)
-            eos = get_eos_token_ids(path, self.tokenizer)
-            if use_engine:
-                self._build_hybrid_engine(mesh, rollout_cfg, eos)
-            else:
-                self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
-                if self._lora and not isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
-                    logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
-                                   "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
+            self._init_rollout(dtype)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
-            self.ref = PPOActor(self.actor.module, None, cfg.actor, SamplingSpec(sampling.temperature))
+            self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
-            ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
-            ref.requires_grad_(False)
-            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor,
-                                SamplingSpec(sampling.temperature))
+            ref = engine_cls.build(EngineSpec(kind="policy", model=cfg.model, layout=layout, device=self.device,
+                                              role="ref"))
+            self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
 
-    def _build_hybrid_engine(self, mesh, rollout_cfg, eos) -> None:
+    def _init_rollout(self, dtype: torch.dtype) -> None:
+        """The rollout backend: generating with the 3D-HybridEngine's model (hf without LoRA), or with its own
+        copy of the weights (a module loaded here when the backend needs one; vllm loads the path itself)."""
+        cfg = self.config.actor_rollout_ref
+        path = cfg.model.path
+        rollout_cls = get_rollout_class(cfg.rollout.name)
+        rollout_module = None
+        # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
+        use_engine = cfg.rollout.name == "hf" and not self._lora
+        if rollout_cls.needs_module and not use_engine:
+            rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
+            if self._lora and cfg.rollout.lora_sync == "adapter":  # base + adapters, refreshed by A and B only
+                rollout_module = lora_lib.apply_lora(rollout_module, cfg.model)
+            rollout_module = rollout_module.to(self.device)
+        rollout_cfg = make_rollout_config(self.config)
+        eos = get_eos_token_ids(path, self.tokenizer)
+        if use_engine:
+            self._build_hybrid_engine(rollout_cfg, eos)
+        else:
+            self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
+            if self._lora and not isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
+                logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
+                               "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
+
+    def _build_hybrid_engine(self, rollout_cfg, eos) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
         first switch (the generation model holds weights only between a switch and the next training step)."""
         cfg = self.config.actor_rollout_ref
-        fsdp = cfg.actor.fsdp_config
-        self.engine = HybridEngine(
-            self.actor.module, mesh, cfg.rollout.tensor_model_parallel_size,
-            bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20, optimizer=self.actor.optimizer,
-            param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload)
+        self.engine = HybridEngine(self.actor.engine, gen_tp=cfg.rollout.tensor_model_parallel_size,
+                                   bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20)
         self._hf_rollout_args = (rollout_cfg, eos, self.tokenizer.pad_token_id)
         self.rollout = None
         self._register_dispatch_collect_info("rollout", dp_rank=self.engine.gen_dp_rank,
@@ -183,30 +194,55 @@ class ActorRolloutRefWorker(Worker):
         tp_g = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp_g, is_collect=self.rank % tp_g == 0)
 
+    # ------------------------------------------------------------------ the train/generate memory handoff
+    def _sleep_level(self) -> int:
+        """2 (discard the rollout's weights too) when the next wake reloads all of them, 1 (keep them, offloaded)
+        when only LoRA adapters are pushed (``rollout.lora_sync=adapter``: the base weights are not resent)."""
+        adapter_only = self._lora and self.config.actor_rollout_ref.rollout.lora_sync == "adapter"
+        return 1 if adapter_only else 2
+
     def _switch_to_training(self) -> None:
-        """Free the generation copy (and bring offloaded training state back) before the actor trains."""
+        """Before the actor or reference computes: the rollout sleeps (its KV cache, and at level 2 its weights,
+        are released; with the 3D-HybridEngine the generation copy is freed) and the actor's offloaded training
+        state comes back. A no-op when already training."""
         if self.engine is not None:
-            self.engine.switch_to_training()
+            self.engine.switch_to_training()  # the hybrid engine onloads what it offloaded
+            return
+        if self._has_rollout and not self._rollout_asleep:
+            level = self._sleep_level()
+            self.rollout.sleep(level=level)
+            self._rollout_asleep = True
+            self._rollout_stale |= level == 2
+        if self._has_actor:
+            self.actor.engine.onload()
 
     def _sync_rollout_weights(self) -> None:
-        """Make the rollout's weights current: the engine's switch to generation (a no-op when current), or
-        for a backend with its own copy, a full gather of the actor's weights (all ranks in lockstep)."""
+        """Before generating: make the rollout's weights current. With the 3D-HybridEngine its switch to
+        generation (a no-op when current; it offloads training state itself). Otherwise wake the rollout, load
+        the actor's full weights when they changed or were discarded (all ranks in lockstep), then offload the
+        actor's training state (``fsdp_config.param_offload`` / ``optimizer_offload``) while generating."""
         if self.engine is not None:
             module = self.engine.switch_to_generation()
             if self.rollout is None:
                 rollout_cfg, eos, pad = self._hf_rollout_args
                 self.rollout = get_rollout_class("hf")(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
-        elif self._rollout_stale:
+            return
+        if self._rollout_asleep:
+            self.rollout.wake()
+            self._rollout_asleep = False
+        if self._rollout_stale:
+            self.actor.engine.onload(optimizer=False)
             self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
             if self._lora and isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
                 self.sync_metrics = lora_lib.verify_sync(self.actor.module, self.rollout.module,
                                                          self.actor.module.config.vocab_size)
+        self.actor.engine.offload()
 
     def _rollout_weights(self):
         """``(name, full tensor)`` for the rollout: the actor's state; with LoRA, merged into the base names
         (``rollout.lora_sync=merged``) or the adapters only (``adapter``). Every rank consumes it in lockstep."""
-        state = iter_full_state(self.actor.module)
+        state = self.actor.engine.iter_weights()
         if not self._lora:
             return state
         if self.config.actor_rollout_ref.rollout.lora_sync == "adapter":
@@ -260,8 +296,7 @@ class ActorRolloutRefWorker(Worker):
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.dp_size
         step = int(data.meta_info.get("global_step", 0))
         metrics = self.actor.update_policy(data, mini, seed=self.config.trainer.seed + step)
-        metrics["actor/lr"] = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
+        metrics["actor/lr"] = self.actor.engine.lr_scheduler_step()
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
 
@@ -306,8 +341,7 @@ class ActorRolloutRefWorker(Worker):
         """Write this rank's shards of the actor weights and optimizer, its lr-scheduler and RNG state; rank 0
         also writes the HF config, generation config and tokenizer to ``path/hf`` (for ``hybridflow export``)."""
         self._switch_to_training()
-        save_sharded(path, self.actor.module, self.actor.optimizer,
-                     {"lr_scheduler": self.lr_scheduler.state_dict(), "skipped_steps": self.actor.skipped_steps})
+        self.actor.engine.save_checkpoint(path)
         if self.rank == 0:
             hf_dir = os.path.join(path, "hf")
             self.actor.module.config.save_pretrained(hf_dir)
@@ -320,8 +354,6 @@ class ActorRolloutRefWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same number of ranks); the rollout re-syncs its weights."""
         self._switch_to_training()
-        extra = load_sharded(path, self.actor.module, self.actor.optimizer)
-        self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        self.actor.skipped_steps = extra["skipped_steps"]
+        self.actor.engine.load_checkpoint(path)
         self._rollout_stale = True
 

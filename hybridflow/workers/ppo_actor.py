@@ -1,34 +1,37 @@
-"""The policy's computations on one rank of its data-parallel group (the module is FSDP2-sharded).
+"""The policy's computations on one rank of its data-parallel group, through its training engine
+(:class:`hybridflow.training.TrainEngine`; the PPO loss here, the forward/backward/step there).
 
 Shapes: (B, R) = sequences on this rank, response tokens; (B, P+R) = prompt + response tokens.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Union
 
 import torch
 
-from hybridflow.algorithms import (agg_loss, entropy_from_logits, get_policy_loss_fn, kl_penalty, logprobs_from_logits,
-                                   overlong_filter_mask)
-from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
-from hybridflow.distributed import all_reduce_mean
+from hybridflow.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, overlong_filter_mask
+from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
-from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
+from hybridflow.training.micro import global_agg_kwargs
 
 
 class PPOActor:
     """Log-probabilities and the PPO policy update for one dp rank.
 
     Args:
-        module: the causal LM (possibly FSDP2-sharded).
-        optimizer: optimizer over ``module``'s parameters (None for a frozen reference policy).
+        engine: the policy's training engine (``kind="policy"``), or a causal LM module (possibly FSDP2-sharded),
+            which is wrapped in an ``fsdp2`` engine with ``optimizer``, ``config.grad_clip`` and ``nonfinite_grad``.
+        optimizer: with a module, the optimizer over its parameters (None for a frozen reference policy); must be
+            None with an engine (the engine owns its optimizer).
         config: the ``actor_rollout_ref.actor`` config section.
         sampling: what the rollout's sampler does to the logits (temperature, top-k, top-p; see
             :mod:`hybridflow.algorithms.sampling`). Every logprob and entropy here is of that distribution, so
             the recomputed old logprobs are those of the distribution the rollout sampled from (the contract of
             :mod:`hybridflow.rollout.base`); the sampled token is always kept in the truncated set. A reference
             policy gets the temperature only (its logprobs anchor the KL term, see README "Sampling logprobs").
-        nonfinite_grad: ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
+        nonfinite_grad: (with a module) ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
             ``actor/skipped_steps``); ``error`` raises ``FloatingPointError`` instead. Either way the
             non-finite gradient never reaches the weights.
         loss_scale_factor: the constant L of ``loss_agg_mode=seq-mean-token-sum-norm`` (Dr. GRPO); the worker
@@ -36,31 +39,43 @@ class PPOActor:
             the batch.
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer, config, sampling: SamplingSpec,
-                 nonfinite_grad: str = "skip", loss_scale_factor: float | None = None) -> None:
+    def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
+                 config, sampling: SamplingSpec, nonfinite_grad: str = "skip",
+                 loss_scale_factor: float | None = None) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
-        self.module = module
+        if isinstance(engine, torch.nn.Module):
+            engine = FSDP2Engine.from_module(engine, optimizer, kind="policy", grad_clip=config.grad_clip,
+                                             nonfinite_grad=nonfinite_grad, role="actor")
+        elif optimizer is not None:
+            raise ValueError("PPOActor: pass the optimizer with a module; an engine owns its optimizer")
+        self.engine = engine
         self.loss_scale_factor = loss_scale_factor
-        self.nonfinite_grad = nonfinite_grad
-        self.optimizer = optimizer
         self.config = config
         self.sampling = sampling
-        self.skipped_steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return self.engine.optimizer
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps the non-finite guard dropped (the engine's count)."""
+        return self.engine.skipped_steps
 
     def _log_prob(self, micro: DataProto, calculate_entropy: bool):
-        responses = micro.batch["responses"]
-        logits = response_forward(self.module, micro, responses.shape[1]).float()
-        logits = sampling_logits(logits, self.sampling, keep=responses)
-        log_prob = logprobs_from_logits(logits, responses)
-        entropy = entropy_from_logits(logits) if calculate_entropy else None
-        return log_prob, entropy
+        out = self.engine.forward(micro, sampling=self.sampling, entropy=calculate_entropy)
+        return out["log_probs"], out.get("entropy")
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False):
         """Log-probabilities of ``responses`` (B, R) fp32 under the current policy; also the entropy (B, R)
         when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values."""
-        self.module.eval()
+        self.engine.set_train(False)
         log_probs, entropies = [], []
         for micro in data.split(micro_batch_size):
             log_prob, entropy = self._log_prob(micro, calculate_entropy)
@@ -75,7 +90,7 @@ class PPOActor:
         ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``; ``rollout_log_probs``, passed to
         the policy loss when present, for ``aipo`` and ``tis_imp_ratio_cap``). ``mini_batch_size`` is
         in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
-        normalisation of :mod:`hybridflow.workers.micro`. With ``actor.overlong_filter`` the loss (policy, entropy
+        normalisation of :mod:`hybridflow.training.micro` (the loop: :func:`hybridflow.training.update_mini_batches`). With ``actor.overlong_filter`` the loss (policy, entropy
         and KL terms) counts only responses whose ``truncated`` flag (B,) is False (:meth:`_loss_mask`). A non-finite gradient norm skips the step (counted in
         ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks; with ``rollout_log_probs``
         also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
@@ -83,56 +98,47 @@ class PPOActor:
         averaged over ranks).
         """
         cfg = self.config
-        self.module.train()
         loss_fn = get_policy_loss_fn(cfg.policy_loss)
         mode = cfg.loss_agg_mode
-        sums: dict[str, float] = {}
-        n_minis = 0
-        for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
-            agg_kwargs = global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
-            self.optimizer.zero_grad(set_to_none=True)
-            stats: dict[str, float] = {}
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-                b = micro.batch
-                mask, _ = self._loss_mask(b)
-                need_entropy = cfg.entropy_coeff != 0
-                log_prob, entropy = self._log_prob(micro, need_entropy)
-                pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
-                    b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg,
-                    rollout_log_probs=b.get("rollout_log_probs"), **agg_kwargs
-                )
-                loss = pg_loss
-                if need_entropy:
-                    loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg_kwargs)
-                if cfg.use_kl_loss:
-                    kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
-                    kl_loss = agg_loss(kl, mask, mode, **agg_kwargs)
-                    loss = loss + cfg.kl_loss_coef * kl_loss
-                    _add(stats, "actor/kl_loss", kl_loss.item())
-                loss.backward()
-                frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
-                _add(stats, "actor/pg_loss", pg_loss.item())
-                _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
-                _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
-                _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
-                if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
-                    w = torch.exp((log_prob.detach() - b["rollout_log_probs"]).clamp(max=20.0))[mask.bool()]
-                    if w.numel():
-                        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
-                        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
-                        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
-            grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
-                                                 "actor")
-            self.skipped_steps += int(skipped)
-            stats["actor/grad_norm"] = grad_norm
-            for key, value in stats.items():
-                _add(sums, key, value)
-            n_minis += 1
-        metrics = all_reduce_mean({k: v / max(n_minis, 1) for k, v in sums.items()})
-        metrics["actor/skipped_steps"] = float(self.skipped_steps)
-        return metrics
+        need_entropy = cfg.entropy_coeff != 0
 
+        def agg_kwargs(mini: DataProto) -> dict:
+            scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
+            return global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
+
+        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, float]) -> torch.Tensor:
+            b = micro.batch
+            mask, _ = self._loss_mask(b)
+            log_prob, entropy = outputs["log_probs"], outputs.get("entropy")
+            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
+                b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg,
+                rollout_log_probs=b.get("rollout_log_probs"), **agg
+            )
+            loss = pg_loss
+            if need_entropy:
+                loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg)
+            if cfg.use_kl_loss:
+                kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kl, mask, mode, **agg)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                _add(stats, "actor/kl_loss", kl_loss.item())
+            frac = mask.sum().item() / max(agg["num_tokens"], 1.0)
+            _add(stats, "actor/pg_loss", pg_loss.item())
+            _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
+            _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
+            _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
+            if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
+                w = torch.exp((log_prob.detach() - b["rollout_log_probs"]).clamp(max=20.0))[mask.bool()]
+                if w.numel():
+                    _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
+                    stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
+                    stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
+            return loss
+
+        return update_mini_batches(self.engine, data, micro_loss, agg_kwargs, mini_batch_size=mini_batch_size,
+                                   micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, epochs=cfg.ppo_epochs,
+                                   shuffle=cfg.shuffle, seed=seed, prefix="actor", sampling=self.sampling,
+                                   entropy=need_entropy)
 
     def _loss_mask(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (B, R) mask of the tokens in the loss and the (B,) bool rows counted as sequences (None: all rows):

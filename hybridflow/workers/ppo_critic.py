@@ -1,70 +1,82 @@
-"""The value function's computations on one rank of its data-parallel group (FSDP2-sharded value model).
+"""The value function's computations on one rank of its data-parallel group, through its training engine
+(:class:`hybridflow.training.TrainEngine`, ``kind="value"``).
 
 Shapes: (B, R) = sequences on this rank, response tokens.
 """
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
-from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
-from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
+from hybridflow.training.micro import global_agg_kwargs
 
 
 class PPOCritic:
-    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank."""
+    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank.
 
-    def __init__(self, module: torch.nn.Module, optimizer, config, nonfinite_grad: str = "skip") -> None:
-        self.module = module
-        self.nonfinite_grad = nonfinite_grad
-        self.optimizer = optimizer
+    Args:
+        engine: the value model's engine, or a value module (wrapped in an ``fsdp2`` engine with ``optimizer``,
+            ``config.grad_clip`` and ``nonfinite_grad``).
+        optimizer: with a module, its optimizer; None with an engine.
+        config: the ``critic`` config section.
+        nonfinite_grad: (with a module) ``skip`` or ``error``, as for :class:`~hybridflow.workers.ppo_actor.PPOActor`.
+    """
+
+    def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
+                 config, nonfinite_grad: str = "skip") -> None:
+        if isinstance(engine, torch.nn.Module):
+            engine = FSDP2Engine.from_module(engine, optimizer, kind="value", grad_clip=config.grad_clip,
+                                             nonfinite_grad=nonfinite_grad, role="critic")
+        elif optimizer is not None:
+            raise ValueError("PPOCritic: pass the optimizer with a module; an engine owns its optimizer")
+        self.engine = engine
         self.config = config
-        self.skipped_steps = 0
 
-    def _values(self, micro: DataProto) -> torch.Tensor:
-        responses = micro.batch["responses"]
-        return response_forward(self.module, micro, responses.shape[1]).squeeze(-1).float()
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> Optional[torch.optim.Optimizer]:
+        return self.engine.optimizer
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
 
     @torch.no_grad()
     def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
         """V(s_t) for every response position, (B, R) fp32, zero at padded positions."""
-        self.module.eval()
-        values = torch.cat([self._values(m) for m in data.split(micro_batch_size)])
+        self.engine.set_train(False)
+        values = torch.cat([self.engine.forward(m)["values"] for m in data.split(micro_batch_size)])
         return values * data.batch["response_mask"]
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression towards ``returns`` (B, R); ``values`` (B, R) are the rollout-time values.
-        ``mini_batch_size`` is in sequences per rank. Returns metrics averaged over mini-batches and ranks."""
+        ``mini_batch_size`` is in sequences per rank. Returns metrics averaged over mini-batches and ranks
+        (the loop: :func:`hybridflow.training.update_mini_batches`)."""
         cfg = self.config
-        self.module.train()
-        sums: dict[str, float] = {}
-        n_minis = 0
-        for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
-            agg_kwargs = global_agg_kwargs(mini, mini.batch["responses"].shape[1])
-            self.optimizer.zero_grad(set_to_none=True)
-            stats: dict[str, float] = {}
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-                b = micro.batch
-                mask = b["response_mask"]
-                vpreds = self._values(micro)
-                vf_loss, vf_clipfrac = compute_value_loss(
-                    vpreds, b["returns"], b["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg_kwargs
-                )
-                vf_loss.backward()
-                frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
-                stats["critic/vf_loss"] = stats.get("critic/vf_loss", 0.0) + vf_loss.item()
-                stats["critic/vf_clipfrac"] = stats.get("critic/vf_clipfrac", 0.0) + vf_clipfrac.item() * frac
-                vpred_mean = masked_mean(vpreds.detach(), mask).item() * frac
-                stats["critic/vpred_mean"] = stats.get("critic/vpred_mean", 0.0) + vpred_mean
-            grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
-                                                 "critic")
-            self.skipped_steps += int(skipped)
-            stats["critic/grad_norm"] = grad_norm
-            for key, value in stats.items():
-                sums[key] = sums.get(key, 0.0) + value
-            n_minis += 1
-        metrics = all_reduce_mean({k: v / max(n_minis, 1) for k, v in sums.items()})
-        metrics["critic/skipped_steps"] = float(self.skipped_steps)
-        return metrics
+
+        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, float]) -> torch.Tensor:
+            b = micro.batch
+            mask = b["response_mask"]
+            vpreds = outputs["values"]
+            vf_loss, vf_clipfrac = compute_value_loss(
+                vpreds, b["returns"], b["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg
+            )
+            frac = mask.sum().item() / max(agg["num_tokens"], 1.0)
+            stats["critic/vf_loss"] = stats.get("critic/vf_loss", 0.0) + vf_loss.item()
+            stats["critic/vf_clipfrac"] = stats.get("critic/vf_clipfrac", 0.0) + vf_clipfrac.item() * frac
+            vpred_mean = masked_mean(vpreds.detach(), mask).item() * frac
+            stats["critic/vpred_mean"] = stats.get("critic/vpred_mean", 0.0) + vpred_mean
+            return vf_loss
+
+        return update_mini_batches(
+            self.engine, data, micro_loss, lambda mini: global_agg_kwargs(mini, mini.batch["responses"].shape[1]),
+            mini_batch_size=mini_batch_size, micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
+            epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed, prefix="critic")

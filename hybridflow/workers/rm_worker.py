@@ -15,16 +15,13 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 
 from __future__ import annotations
 
-import os
-
 import torch
-from transformers import AutoConfig, AutoModelForTokenClassification
 
 from hybridflow.controller import Dispatch, Worker, register
-from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, resolve_dtype
-from hybridflow.models.hf import load_tokenizer
-from hybridflow.models.builtin import resolve_model_path
+from hybridflow.distributed import init_distributed
+from hybridflow.models.hf import load_score_model, load_tokenizer  # noqa: F401 (load_score_model re-exported)
 from hybridflow.protocol import DataProto
+from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
@@ -46,45 +43,6 @@ def last_token_scores(token_scores: torch.Tensor, attention_mask: torch.Tensor) 
     return token_scores[rows, last_valid_index(attention_mask)].float()
 
 
-def load_score_model(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
-    """A one-label scorer from a local directory, as ``AutoModelForTokenClassification`` (a score per token).
-
-    A ``*ForSequenceClassification`` checkpoint loads into the token-classification class of the same
-    architecture: both keep their head in ``score``; the head is built without bias to match. Dropout is off.
-
-    Raises:
-        FileNotFoundError: ``path`` is not a local directory.
-        ValueError: the checkpoint has no trained ``score`` head (e.g. a plain causal LM), or has more than one
-            label.
-    """
-    local = resolve_model_path(path)
-    if not os.path.isdir(local):
-        raise FileNotFoundError(f"score model path {path!r} is not a local directory; hybridflow never downloads "
-                                "weights, so pass a local Hugging Face model directory")
-    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code)
-    architectures = config.architectures or []
-    if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
-        raise ValueError(f"score model at {path!r} has no trained score head (architectures {architectures}); "
-                         "expected a *ForSequenceClassification or *ForTokenClassification checkpoint")
-    if config.num_labels != 1:
-        raise ValueError(f"score model at {path!r} has num_labels={config.num_labels}; a reward or cost model "
-                         "must have exactly one label")
-    if any(a.endswith("ForSequenceClassification") for a in architectures):
-        config.token_classification_bias = False  # sequence-classification heads have no bias
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        local, config=config, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
-    )
-    missing = [k for k in info["missing_keys"] if k.split(".")[0] == "score"]
-    if missing:
-        raise ValueError(f"score model at {path!r} has no trained score head (missing {missing}); expected a "
-                         "*ForSequenceClassification or *ForTokenClassification checkpoint with num_labels=1")
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    model.requires_grad_(False)
-    return model.eval()
-
-
 class RewardModelWorker(Worker):
     """Args:
         config: the full run config (reads the ``role`` section and ``actor_rollout_ref.model``).
@@ -103,7 +61,8 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Join the process group, load the scorer (``<role>.model``), shard it with FSDP2 over the group.
+        """Join the process group, build the scorer (``<role>.model``, frozen) with the ``<role>.strategy``
+        engine over the group.
 
         Raises:
             ValueError: its tokenizer's vocabulary differs from the actor's (token ids would not match).
@@ -119,17 +78,14 @@ class RewardModelWorker(Worker):
                              f"actor ({actor_model.path!r}); the scorer reads the actor's token ids, so it must "
                              "share the actor's vocabulary")
         self._register_dispatch_collect_info(MESH, dp_rank=self.rank, is_collect=True)
-        mesh = build_mesh(dp=self.world_size)
-        dtype = resolve_dtype(section.model.dtype, self.device_name)
-        module = load_score_model(section.model.path, dtype, section.model.trust_remote_code)
-        self.module = apply_fsdp2(module.to(self.device_name), mesh)
+        self.engine = get_engine_class(section.strategy).build(EngineSpec(
+            kind="score", model=section.model, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
+            role=self.role))
+        self.engine.set_train(False)
 
     @torch.no_grad()
     def _scores(self, micro: DataProto) -> torch.Tensor:
-        b = micro.batch
-        out = self.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                          position_ids=b["position_ids"], use_cache=False)
-        return last_token_scores(out.logits.squeeze(-1), b["attention_mask"])
+        return last_token_scores(self.engine.forward(micro)["token_scores"], micro.batch["attention_mask"])
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name=MESH)
     @report_time

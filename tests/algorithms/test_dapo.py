@@ -58,7 +58,7 @@ def test_all_truncated_gives_loss_zero_and_finite_zero_gradients(mode):
     assert not kept.any() and loss_mask.sum() == 0
     w = torch.tensor(2.0, requires_grad=True)
     per_token = w * torch.ones(3, 4)
-    # the totals of an empty mini-batch are 0; the worker passes 1 instead (hybridflow.workers.micro)
+    # the totals of an empty mini-batch are 0; the worker passes 1 instead (hybridflow.training.micro)
     loss = agg_loss(per_token, loss_mask, mode, num_tokens=1.0, num_seqs=1.0)
     loss.backward()
     assert loss.item() == 0.0 and w.grad.item() == 0.0 and torch.isfinite(w.grad)

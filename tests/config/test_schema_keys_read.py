@@ -30,16 +30,14 @@ NOT_USE = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "loader.py", P
 
 # Keys read only dynamically or not yet applied by design, each checked by hand (keep this list short):
 EXEMPT = {
-    # checked at load to be fsdp2, the only training engine; engines chosen by strategy come with the
-    # training-engine issue (until then every other value is rejected, see test_strategy_rejects_others)
-    "actor_rollout_ref.actor.strategy",
     # written by `hybridflow plan`; documented in the schema as informational, not yet applied by the workers
     # (the training-engine issue); the loader only type-checks them
     "layouts.actor", "layouts.critic", "layouts.reference", "layouts.reward",
     # read by name in hybridflow/algorithms/advantage.py (getattr(config, pname) for each estimator parameter)
     "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
-    # read as self.config[self.role].micro_batch_size_per_gpu in hybridflow/workers/rm_worker.py
+    # read as self.config[self.role].micro_batch_size_per_gpu / section.strategy in hybridflow/workers/rm_worker.py
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
+    "reward_model.strategy", "cost_model.strategy",
     # read by hybridflow.config.need_critic (config/checks.py), which trainer/setup.py calls to build the critic
     "critic.enable",
 }

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridflow.protocol import DataProto
-from hybridflow.workers.micro import response_forward
+from hybridflow.training.micro import response_forward
 
 
 def _batch(prompt_lens, response_lens, P=7, R=6, vocab=50):

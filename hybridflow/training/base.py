@@ -1,0 +1,255 @@
+"""The training-engine contract: one model of one role (policy, value or score model) trained or evaluated on the
+ranks of a worker group, whatever does the parallelism underneath (FSDP2 + DTensor tp today; Megatron-core next).
+
+Workers (actor, reference, critic, reward and cost models) and the 3D-HybridEngine talk to a model only through
+this contract; none of them touches FSDP, DTensor or an optimizer directly. Engines register by name with
+:func:`register_engine` and are chosen by the ``strategy`` key of a role's config section
+(``actor_rollout_ref.actor.strategy``, ``critic.strategy``, ``reward_model.strategy``, ``cost_model.strategy``).
+
+Lifecycle (every rank of the group calls these together, in the same order: most of them are collectives):
+
+1. ``Engine.build(spec)`` once, in the worker's ``init_model``, after ``torch.distributed`` is initialised and the
+   role's seed is set: load the model named by ``spec.model``, lay it out on ``spec.layout``, build the optimizer
+   and lr schedule when ``spec.optim`` is given (else the model is frozen). If ``spec.param_offload`` /
+   ``spec.optimizer_offload`` are set, the engine starts onloaded; the worker decides when to :meth:`offload`.
+2. Per training step, for each mini-batch: :meth:`zero_grad`, then :meth:`forward_backward` once per micro-batch
+   (gradients accumulate), then :meth:`optimizer_step` (grad clipping + the non-finite guard). After the last
+   mini-batch of the step, :meth:`lr_scheduler_step` once. The shared loop is
+   :func:`hybridflow.training.update.update_mini_batches`.
+3. :meth:`forward` any time for inference on one micro-batch (old/ref logprobs, values, scores), under
+   ``torch.no_grad()`` in the caller, after :meth:`set_train` ``(False)``.
+4. :meth:`iter_weights` (full tensors: weight sync to a rollout with its own copy, async generators, export) and
+   :meth:`iter_shards` + :meth:`weight_specs` (this rank's shards: the 3D-HybridEngine's resharding), between
+   steps. Every rank consumes the iterators to the end, in lockstep.
+5. :meth:`save_checkpoint` / :meth:`load_checkpoint` between steps (sharded: each rank its own shards of model and
+   optimizer, its lr schedule, RNG and skipped-step count).
+6. :meth:`offload` / :meth:`onload` around phases where another model needs the device memory (the actor while
+   its rollout generates; the critic between its calls); :meth:`on_device` wraps one call. Both are no-ops for
+   what ``spec`` does not offload, and on CPU.
+
+Shapes: (B, R) = sequences of the micro-batch, response tokens; (B, L) = prompt + response tokens.
+"""
+
+from __future__ import annotations
+
+import abc
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+import torch
+
+from hybridflow.registry import Registry
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from hybridflow.algorithms.sampling import SamplingSpec
+    from hybridflow.protocol import DataProto
+
+__all__ = ["ENGINES", "KINDS", "EngineSpec", "ParallelLayout", "TrainEngine", "WeightSpec", "get_engine_class",
+           "register_engine", "registered_engines"]
+
+KINDS = ("policy", "value", "score")  # causal LM (logprobs, entropy) | value model (per token) | scorer (per token)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a role's ranks are laid out: ``dp`` data-parallel x ``tp`` tensor-parallel x ``pp`` pipeline stages."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What :meth:`TrainEngine.build` builds.
+
+    Args:
+        kind: ``policy`` (a causal LM), ``value`` (backbone + fresh scalar head per token) or ``score`` (a trained
+            one-label sequence/token classifier, frozen).
+        model: the role's ``model`` config section (``path``, ``dtype``, ``trust_remote_code``,
+            ``enable_gradient_checkpointing``, the LoRA keys).
+        layout: the role's parallel layout over the worker group's ranks.
+        device: ``cpu`` or ``cuda`` (the worker's device).
+        optim: the role's ``optim`` section (AdamW + lr schedule), or None for a frozen model (reference, scorer).
+        total_steps: lr-schedule length in :meth:`TrainEngine.lr_scheduler_step` calls.
+        grad_clip: max global gradient norm of :meth:`TrainEngine.optimizer_step`.
+        nonfinite_grad: ``skip`` (drop a step whose gradient norm is NaN/inf, count it) or ``error`` (raise).
+        param_offload / optimizer_offload: what :meth:`TrainEngine.offload` moves to host memory.
+        lora: wrap the policy with LoRA adapters (peft) before sharding; only they train.
+        role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
+    """
+
+    kind: str
+    model: Any
+    layout: ParallelLayout
+    device: str
+    optim: Any = None
+    total_steps: int = 0
+    grad_clip: float = 1.0
+    nonfinite_grad: str = "skip"
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    lora: bool = False
+    role: str = "actor"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"EngineSpec.kind must be one of {KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One parameter as the resharder sees it: its full ``shape``, ``element_size`` in bytes and the dimension
+    the training tensor parallelism splits (``tp_dim``; None: replicated over tp)."""
+
+    shape: tuple[int, ...]
+    element_size: int
+    tp_dim: Optional[int]
+
+
+class TrainEngine(abc.ABC):
+    """One role's model on this rank (see the module docstring for the lifecycle).
+
+    Attributes every engine has: ``spec`` (:class:`EngineSpec`), ``layout`` (:class:`ParallelLayout`), ``module``
+    (the Hugging Face module, for its ``config``, buffers and peft calls; parameter data go through the iterators),
+    ``optimizer`` / ``lr_scheduler`` (None when frozen), ``skipped_steps`` (optimizer steps the non-finite guard
+    dropped, checkpointed).
+    """
+
+    spec: EngineSpec
+    layout: ParallelLayout
+    module: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    lr_scheduler: Any
+    skipped_steps: int
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, spec: EngineSpec) -> "TrainEngine":
+        """Load and lay out the model, build optimizer and lr schedule (``init_model``, once per rank)."""
+
+    # ------------------------------------------------------------------ compute
+    @abc.abstractmethod
+    def set_train(self, mode: bool) -> None:
+        """Training mode (dropout etc.) before an update, eval mode before inference."""
+
+    @abc.abstractmethod
+    def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
+                entropy: bool = False) -> dict[str, torch.Tensor]:
+        """One micro-batch forward (``input_ids``, ``attention_mask``, ``position_ids`` (B, L), ``responses``
+        (B, R)); autograd follows the caller's grad mode.
+
+        Returns, by ``spec.kind``: ``policy``: ``log_probs`` (B, R) fp32, the logprob of each response token under
+        the distribution ``sampling`` makes of the logits (:func:`hybridflow.algorithms.sampling.sampling_logits`,
+        the sampled token kept), and with ``entropy`` also ``entropy`` (B, R) fp32 of that distribution;
+        ``value``: ``values`` (B, R) fp32, V of the state before each response token (not masked);
+        ``score``: ``token_scores`` (B, L) fp32, the scorer's output at every position.
+        """
+
+    def forward_backward(self, micro: DataProto, loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], *,
+                         sampling: Optional[SamplingSpec] = None, entropy: bool = False) -> torch.Tensor:
+        """:meth:`forward` with autograd, ``loss = loss_fn(outputs)`` (a scalar), ``loss.backward()`` (gradients
+        accumulate until :meth:`zero_grad`). Returns the detached loss."""
+        with torch.enable_grad():
+            loss = loss_fn(self.forward(micro, sampling=sampling, entropy=entropy))
+            loss.backward()
+        return loss.detach()
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (start of each mini-batch)."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip the accumulated gradients to ``spec.grad_clip`` (global norm over all shards) and step the
+        optimizer, unless the norm is NaN/inf: then the gradients are dropped, ``skipped_steps`` grows and with
+        ``nonfinite_grad=error`` ``FloatingPointError`` is raised. Returns ``(pre-clip grad norm, skipped)``."""
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the lr schedule by one training step; returns the lr the step just taken used."""
+
+    # ------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for every parameter and buffer (Hugging Face names), gathered one at a time:
+        peak extra memory one full tensor. A collective: every rank consumes it to the end."""
+
+    @abc.abstractmethod
+    def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, this rank's local shard)`` of every parameter, without copies (views of the training
+        storage), in :meth:`weight_specs` order. Shard boxes: dp splits dim 0 into ``layout.dp`` even chunks
+        (FSDP2's rule), tp splits ``tp_dim`` into ``layout.tp`` (on the tp-local tensor)."""
+
+    @abc.abstractmethod
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """Every parameter's full shape, element size and training tp dimension, in a fixed order."""
+
+    # ------------------------------------------------------------------ state
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str, extra: Optional[dict[str, Any]] = None) -> None:
+        """Write this rank's shards of model (+ optimizer), its lr schedule, RNG, ``skipped_steps`` and
+        ``extra`` under ``path`` (the directory is shared by the group)."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore what :meth:`save_checkpoint` wrote (same layout); returns ``extra``.
+
+        Raises:
+            FileNotFoundError: ``path`` holds no checkpoint for this rank.
+        """
+
+    @abc.abstractmethod
+    def offload(self) -> None:
+        """Move parameters + grads (``spec.param_offload``) and optimizer state (``spec.optimizer_offload``) to
+        host memory; a no-op for what is already there."""
+
+    @abc.abstractmethod
+    def onload(self, optimizer: bool = True) -> None:
+        """Bring back what :meth:`offload` moved (the optimizer state only when ``optimizer``)."""
+
+    @contextmanager
+    def on_device(self, optimizer: bool = True) -> Iterator[None]:
+        """Onload for one call and offload again afterwards (also after an error)."""
+        self.onload(optimizer)
+        try:
+            yield
+        finally:
+            self.offload()
+
+
+def _check_engine(name: str, cls: object) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, TrainEngine)):
+        raise TypeError(f"register_engine({name!r}) expects a TrainEngine subclass, got {cls!r}")
+
+
+ENGINES: Registry[type[TrainEngine]] = Registry("training engine", check=_check_engine)
+
+
+def register_engine(name: str, **meta: Any) -> Callable[[type[TrainEngine]], type[TrainEngine]]:
+    """Class decorator registering a :class:`TrainEngine` subclass under ``name`` (the ``strategy`` value).
+
+    Raises:
+        TypeError: the class is not a TrainEngine subclass.
+        ValueError: ``name`` is taken by another class.
+    """
+    return ENGINES.register(name, **meta)
+
+
+def get_engine_class(name: str) -> type[TrainEngine]:
+    """The engine registered under ``name``.
+
+    Raises:
+        hybridflow.registry.UnknownNameError: unknown name (the message lists the registered engines).
+    """
+    return ENGINES.get(name)
+
+
+def registered_engines() -> list[str]:
+    """Sorted names of the registered engines."""
+    return ENGINES.names()

@@ -1,0 +1,178 @@
+"""The ``fsdp2`` training engine: FSDP2 (``fully_shard``) over dp, DTensor tensor parallelism over tp inside it
+(:func:`hybridflow.distributed.tp.parallelize_model`), AdamW, host offload, ``torch.distributed.checkpoint``.
+
+Shapes: (B, R) = sequences of the micro-batch, response tokens; (B, L) = prompt + response tokens; V vocabulary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
+from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
+from hybridflow.distributed import (build_mesh, iter_full_state, offload_module, offload_optimizer, onload_module,
+                                    onload_optimizer, parallelize_model, resolve_dtype)
+from hybridflow.distributed.checkpoint import load_sharded, save_sharded
+from hybridflow.distributed.tp import tp_dims
+from hybridflow.protocol import DataProto
+from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
+from hybridflow.training.micro import apply_gradients, response_forward
+from hybridflow.training.optim import build_lr_scheduler, build_optimizer
+
+__all__ = ["FSDP2Engine"]
+
+
+def _load_module(spec: EngineSpec, dtype: torch.dtype) -> torch.nn.Module:
+    """The Hugging Face module of ``spec.kind`` on CPU (LoRA-wrapped and checkpointed as ``spec`` says)."""
+    from hybridflow.models import hf
+    from hybridflow.models import lora as lora_lib
+
+    model = spec.model
+    if spec.kind == "score":
+        return hf.load_score_model(model.path, dtype, model.trust_remote_code)
+    load = hf.load_causal_lm if spec.kind == "policy" else hf.load_value_model
+    module = load(model.path, dtype, model.trust_remote_code)
+    if spec.optim is None:
+        return module.requires_grad_(False)
+    if spec.lora:  # before FSDP2: only the adapters require grad, so only they get optimizer state
+        module = lora_lib.apply_lora(module, model)
+    if model.enable_gradient_checkpointing:
+        module.gradient_checkpointing_enable()
+    return module
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Make FSDP2 modules expose their sharded parameters (the root may stay unsharded after a forward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
+@register_engine("fsdp2", pipeline_parallel=False)
+class FSDP2Engine(TrainEngine):
+    """FSDP2 + DTensor tp (see the module docstring). Build with :meth:`build`, or wrap a module that is already
+    laid out (or plain, single process) with :meth:`from_module`.
+
+    Raises (build):
+        ValueError: ``layout.pp > 1`` (this engine has no pipeline parallelism), or a layout that does not match
+            the world size.
+    """
+
+    def __init__(self, spec: EngineSpec, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 lr_scheduler: Any = None, mesh: Optional[DeviceMesh] = None) -> None:
+        self.spec = spec
+        self.layout = spec.layout
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.mesh = mesh
+        self.skipped_steps = 0
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> "FSDP2Engine":
+        if spec.layout.pp != 1:
+            raise ValueError(f"strategy fsdp2 has no pipeline parallelism; got pp={spec.layout.pp} for the {spec.role}")
+        mesh = build_mesh(dp=spec.layout.dp, tp=spec.layout.tp)
+        module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
+        module = parallelize_model(module.to(spec.device), mesh)
+        optimizer = scheduler = None
+        if spec.optim is not None:
+            optimizer = build_optimizer(module, spec.optim)
+            scheduler = build_lr_scheduler(optimizer, spec.optim, spec.total_steps)
+        return cls(spec, module, optimizer, scheduler, mesh)
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                    kind: str = "policy", mesh: Optional[DeviceMesh] = None, grad_clip: float = 1.0,
+                    nonfinite_grad: str = "skip", role: str = "actor", param_offload: bool = False,
+                    optimizer_offload: bool = False, lr_scheduler: Any = None) -> "FSDP2Engine":
+        """An engine over an existing module (FSDP2-sharded on ``mesh``, or plain when ``mesh`` is None)."""
+        tp = mesh["tp"].size() if mesh is not None and mesh.ndim == 2 else 1
+        world = mesh.size() if mesh is not None else 1
+        spec = EngineSpec(kind=kind, model=None, layout=ParallelLayout(dp=world // tp, tp=tp),
+                          device=next(module.parameters()).device.type, grad_clip=grad_clip,
+                          nonfinite_grad=nonfinite_grad, param_offload=param_offload,
+                          optimizer_offload=optimizer_offload, role=role)
+        return cls(spec, module, optimizer, lr_scheduler, mesh)
+
+    # ------------------------------------------------------------------ compute
+    def set_train(self, mode: bool) -> None:
+        self.module.train(mode)
+
+    def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
+                entropy: bool = False) -> dict[str, torch.Tensor]:
+        b = micro.batch
+        if self.spec.kind == "score":
+            out = self.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                              position_ids=b["position_ids"], use_cache=False)
+            return {"token_scores": out.logits.squeeze(-1).float()}
+        responses = b["responses"]
+        out = response_forward(self.module, micro, responses.shape[1])
+        if self.spec.kind == "value":
+            return {"values": out.squeeze(-1).float()}
+        logits = sampling_logits(out.float(), sampling or SamplingSpec(), keep=responses)
+        result = {"log_probs": logprobs_from_logits(logits, responses)}
+        if entropy:
+            result["entropy"] = entropy_from_logits(logits)
+        return result
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        grad_norm, skipped = apply_gradients(self.module, self.optimizer, self.spec.grad_clip,
+                                             self.spec.nonfinite_grad, self.spec.role)
+        self.skipped_steps += int(skipped)
+        return grad_norm, skipped
+
+    def lr_scheduler_step(self) -> float:
+        lr = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        return lr
+
+    # ------------------------------------------------------------------ weights
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_full_state(self.module)
+
+    def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        _reshard(self.module)
+        for name, param in self.module.named_parameters():
+            yield name, (param.to_local() if isinstance(param, DTensor) else param.detach())
+
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        dims = tp_dims(self.module, "train") if self.layout.tp > 1 else {}
+        return {name: WeightSpec(tuple(p.shape), p.element_size(), dims.get(name))
+                for name, p in self.module.named_parameters()}
+
+    # ------------------------------------------------------------------ state
+    def save_checkpoint(self, path: str, extra: Optional[dict[str, Any]] = None) -> None:
+        state = dict(extra or {})
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        state["skipped_steps"] = self.skipped_steps
+        save_sharded(path, self.module, self.optimizer, state)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        extra = load_sharded(path, self.module, self.optimizer)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra.pop("lr_scheduler"))
+        self.skipped_steps = int(extra.pop("skipped_steps", 0))
+        return extra
+
+    def offload(self) -> None:
+        if self.spec.param_offload:
+            offload_module(self.module)
+        if self.spec.optimizer_offload and self.optimizer is not None:
+            offload_optimizer(self.optimizer)
+
+    def onload(self, optimizer: bool = True) -> None:
+        if self.spec.param_offload:
+            onload_module(self.module, self.spec.device)
+        if optimizer and self.spec.optimizer_offload and self.optimizer is not None:
+            onload_optimizer(self.optimizer, self.spec.device)
