@@ -160,6 +160,7 @@ def _check_rollout_class(name: str, cls: Any) -> None:
 
 
 ROLLOUTS: Registry = Registry("rollout backend", check=_check_rollout_class)
+_ROLLOUT_REGISTRY = ROLLOUTS  # the former (dict) name; the Registry keeps ``pop`` for code that cleaned up with it
 
 
 def register_rollout(name: str, **meta: Any) -> Callable[[type[BaseRollout]], type[BaseRollout]]:
