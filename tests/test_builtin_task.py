@@ -172,3 +172,16 @@ def test_check_script_scores_like_hybridflow_eval(tmp_path, repo_script, capsys)
     assert before["sampled_score"] == pytest.approx(reference["mean@2"], abs=1e-4)  # same seed, same samples
     assert [point["update"] for point in result["rl"]["curve"]] == [1]
     assert result["after"]["num_prompts"] == 6
+
+
+def test_build_scripts_live_outside_the_package_and_the_asset_ships():
+    """The build/check scripts are repository scripts; the installed package keeps only the built model, which the
+    package data of pyproject.toml ships."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    assert not list((root / "hybridflow" / "models" / "builtin").glob("*tiny_arith*.py"))
+    assert (root / "scripts" / "build_tiny_arith.py").is_file() and (root / "scripts" / "check_tiny_arith.py").is_file()
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "assets/**/*" in package_data["hybridflow"]
+    assert Path(BUILTIN_MODELS["tiny-arith"]).is_relative_to(root / "hybridflow" / "assets")

@@ -33,22 +33,26 @@ def _total(given: Optional[Number], default: Number, name: str) -> Number:
     return given
 
 
-def _token_mean(loss, mask, num_tokens, num_seqs, scale):
+def _token_mean(loss: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[Number], num_seqs: Optional[Number],
+                scale: Optional[Number]) -> torch.Tensor:
     count = mask.to(loss.dtype).sum()
     count = torch.where(count != 0, count, torch.ones_like(count))  # empty mask: loss 0, not NaN
     return masked_sum(loss, mask) / _total(num_tokens, count, "num_tokens")
 
 
-def _seq_mean_token_sum(loss, mask, num_tokens, num_seqs, scale):
+def _seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[Number], num_seqs: Optional[Number],
+                        scale: Optional[Number]) -> torch.Tensor:
     return masked_sum(loss, mask) / _total(num_seqs, loss.shape[0], "num_seqs")
 
 
-def _seq_mean_token_mean(loss, mask, num_tokens, num_seqs, scale):
+def _seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[Number], num_seqs: Optional[Number],
+                         scale: Optional[Number]) -> torch.Tensor:
     per_seq = masked_mean(loss, mask, axis=-1)  # 0 for a sequence without valid tokens
     return per_seq.sum() / _total(num_seqs, loss.shape[0], "num_seqs")
 
 
-def _seq_mean_token_sum_norm(loss, mask, num_tokens, num_seqs, scale):
+def _seq_mean_token_sum_norm(loss: torch.Tensor, mask: torch.Tensor, num_tokens: Optional[Number], num_seqs: Optional[Number],
+                             scale: Optional[Number]) -> torch.Tensor:
     length = _total(scale, loss.shape[-1], "loss_scale_factor")
     return masked_sum(loss, mask) / length / _total(num_seqs, loss.shape[0], "num_seqs")
 

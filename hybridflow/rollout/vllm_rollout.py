@@ -245,7 +245,8 @@ class VLLMRollout(BaseRollout):
         self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
 
     @classmethod
-    def from_config(cls, model_path, module, config, eos_token_id, pad_token_id, **options) -> "VLLMRollout":
+    def from_config(cls, model_path: str, module: Optional[torch.nn.Module], config: Any,
+                    eos_token_id: Union[int, Sequence[int]], pad_token_id: int, **options: Any) -> "VLLMRollout":
         """Build from the model path (``module`` is ignored: the engine loads its own weights); ``options`` may
         hold ``dtype`` (str or torch.dtype), ``trust_remote_code`` and ``max_model_len``."""
         dtype = options.get("dtype", "float32")
