@@ -13,7 +13,6 @@ import torch
 from transformers import LlamaForSequenceClassification
 
 from helpers.models import tiny_model
-
 from hybridflow.algorithms import compute_remax_outcome_advantage, register_adv_est
 from hybridflow.config import load_config
 from hybridflow.models.builtin import resolve_model_path

@@ -14,7 +14,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from helpers.models import tiny_model
-
 from hybridflow.config import load_config
 from hybridflow.data.preprocess import convert
 from hybridflow.models.hf import get_eos_token_ids, load_tokenizer
