@@ -4,8 +4,8 @@ The pieces are the training run's own: the tokenizer and model from :mod:`hybrid
 rules), prompts through :class:`~hybridflow.data.dataset.RLHFDataset` and ``collate_fn`` (same chat-template
 rule, the whole set collated once as validation does), the rollout backend looked up by name in the rollout
 registry and built with ``from_config`` as the actor worker builds it (``hf``, or ``vllm`` with
-``rollout="vllm"``), the validation loop itself (:func:`hybridflow.trainer.validate.generate_and_score`: same
-batching, sampling overrides and seed) and scores by :func:`hybridflow.rewards.batch.score_batch` (what the
+``rollout="vllm"``), the validation loop itself (:mod:`hybridflow.rewards.validation`, which validation in training
+runs too: same batching, sampling overrides, seed and averages) and scores by :func:`hybridflow.rewards.batch.score_batch` (what the
 rule-reward worker runs). So eval and validation give the same numbers for the same model, data and backend.
 One process, no Ray.
 
@@ -25,11 +25,10 @@ import logging
 import os
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
@@ -39,16 +38,16 @@ from hybridflow.protocol import DataProto
 from hybridflow.rewards import check_data_sources
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rollout import BaseRollout, get_rollout_class
-from hybridflow.trainer.validate import generate_and_score
+from hybridflow.rewards.validation import mean_by_source, score_passes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate"]
+__all__ = ["build_rollout", "eval_passes", "evaluate", "prompt_dataset", "rollout_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _passes(n: int, temperature: float, top_p: float, top_k: int) -> dict[str, dict]:
+def eval_passes(n: int, temperature: float, top_p: float, top_k: int) -> dict[str, dict]:
     """Generation passes by name: sampling overrides for the rollout (see :func:`evaluate`, ``n``)."""
     greedy = dict(n=1, do_sample=False, temperature=0.0)
     sampled = dict(n=n, do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
@@ -58,22 +57,10 @@ def _passes(n: int, temperature: float, top_p: float, top_k: int) -> dict[str, d
 
 
 def evaluate(
-    model_path: str,
-    data_files: Union[PathLike, Sequence[PathLike]],
-    n: int = 1,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    batch_size: int = 64,
-    max_prompt_length: Optional[int] = None,
-    max_response_length: int = 512,
-    truncation: str = "error",
-    dtype: str = "auto",
-    device: str = "auto",
-    seed: int = 0,
-    output: Optional[PathLike] = None,
-    prompt_key: str = "prompt",
-    trust_remote_code: bool = False,
+    model_path: str, data_files: Union[PathLike, Sequence[PathLike]], n: int = 1, temperature: float = 0.0,
+    top_p: float = 1.0, top_k: int = -1, batch_size: int = 64, max_prompt_length: Optional[int] = None,
+    max_response_length: int = 512, truncation: str = "error", dtype: str = "auto", device: str = "auto",
+    seed: int = 0, output: Optional[PathLike] = None, prompt_key: str = "prompt", trust_remote_code: bool = False,
     rollout: str = "hf",
 ) -> dict:
     """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards.
@@ -103,10 +90,11 @@ def evaluate(
         {source: {"num_prompts", "mean@1", ["mean@k"]}}, "settings": {...}, "seconds"}`` (JSON-serializable).
 
     Raises:
-        ValueError: ``n < 1``, ``batch_size < 1``, ``n > 1`` with ``temperature <= 0``, no prompts, or bad data (a :class:`~hybridflow.errors.DataError`, see ``RLHFDataset``; an unknown
-            ``data_source`` names the registered ones).
+        ValueError: ``n < 1``, ``batch_size < 1``, ``n > 1`` with ``temperature <= 0``, no prompts, or bad data (a
+            :class:`~hybridflow.errors.DataError`, see ``RLHFDataset``; an unknown ``data_source`` names the
+            registered ones).
         FileNotFoundError: the model directory or a data file does not exist.
-        KeyError: ``rollout`` is not a registered backend (the message lists them).
+        UnknownNameError: (a ``KeyError``) ``rollout`` is not a registered backend (the message lists them).
     """
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
@@ -116,22 +104,19 @@ def evaluate(
     files = [os.fspath(f) for f in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     tokenizer = load_tokenizer(model_path, trust_remote_code)
-    rows = load_rows(files, prompt_key)
-    dataset = RLHFDataset(rows, tokenizer, max_prompt_length or sys.maxsize, prompt_key, truncation)
-    check_data_sources(rows)  # before the model loads
+    dataset = prompt_dataset(load_rows(files, prompt_key), tokenizer, max_prompt_length, prompt_key, truncation)
     if len(dataset) == 0:
         raise ValueError(f"no prompts to evaluate in {files}")
     data = collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
-    base = SimpleNamespace(response_length=max_response_length, n=1, do_sample=False, temperature=0.0, top_p=top_p,
-                           top_k=top_k, micro_batch_size=batch_size, tensor_model_parallel_size=1)
     torch_dtype = resolve_dtype(dtype, device)
-    generator = _build_rollout(rollout, model_path, base, tokenizer, torch_dtype, device, trust_remote_code,
-                               max_model_len=data.batch["input_ids"].shape[1] + max_response_length)
-    scores = _run_passes(generator, tokenizer, data, _passes(n, temperature, top_p, top_k), batch_size, seed,
-                         output)
+    generator = build_rollout(rollout, model_path, rollout_config(max_response_length, batch_size, top_p, top_k),
+                              tokenizer, torch_dtype, device, trust_remote_code,
+                              max_model_len=data.batch["input_ids"].shape[1] + max_response_length)
+    passes = eval_passes(n, temperature, top_p, top_k)
+    results = _run_passes(generator, tokenizer, data, passes, batch_size, seed, output)
     result: dict[str, Any] = {"model": model_path, "data": files, "num_prompts": len(dataset),
                               "num_filtered": dataset.num_filtered,
-                              **_summarise(scores, data.non_tensor_batch["data_source"].tolist())}
+                              **_summarise(results, passes, data.non_tensor_batch["data_source"].tolist())}
     result["settings"] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                           "max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
                           "dtype": str(torch_dtype).replace("torch.", ""), "device": device, "rollout": rollout}
@@ -139,42 +124,59 @@ def evaluate(
     return result
 
 
+def prompt_dataset(rows: list[dict], tokenizer: Any, max_prompt_length: Optional[int], prompt_key: str = "prompt",
+                   truncation: str = "error") -> RLHFDataset:
+    """The prompts of ``rows`` as training reads them (:class:`RLHFDataset`: chat template, truncation), after
+    checking that every row's ``data_source`` has a reward (before any model loads).
+
+    Raises:
+        DataError: a bad row, or a ``data_source`` without a registered reward.
+    """
+    dataset = RLHFDataset(rows, tokenizer, max_prompt_length or sys.maxsize, prompt_key, truncation)
+    check_data_sources(rows)
+    return dataset
+
+
+def rollout_config(max_response_length: int, batch_size: int, top_p: float = 1.0,
+                   top_k: int = -1) -> SimpleNamespace:
+    """The sampling config a rollout backend is built with outside training (greedy; each pass overrides it)."""
+    return SimpleNamespace(response_length=max_response_length, n=1, do_sample=False, temperature=0.0, top_p=top_p,
+                           top_k=top_k, micro_batch_size=batch_size, tensor_model_parallel_size=1)
+
+
 def _run_passes(generator: BaseRollout, tokenizer: Any, data: DataProto, passes: dict[str, dict], batch_size: int,
-                seed: int, output: Optional[PathLike]) -> dict[str, dict[str, list[float]]]:
-    """Generate and score every pass over ``data`` (the validation loop); returns metric (``mean@<n>``) -> data
-    source -> scores, and writes each response to ``output`` when set."""
-    scores: dict[str, dict[str, list[float]]] = {f"mean@{p['n']}": defaultdict(list) for p in passes.values()}
+                seed: int, output: Optional[PathLike]) -> dict[str, tuple[list[float], list[str]]]:
+    """Generate and score every pass over ``data`` (the validation loop, :func:`score_passes`); writes each response
+    to ``output`` when set. Returns pass name -> (scores, data sources) of its responses."""
     out = open(output, "w", encoding="utf-8") if output else None
+
+    def write(name: str, rows: DataProto, scores: list[float]) -> None:
+        _write_responses(out, tokenizer, rows, scores, name, passes[name]["n"])
+
     try:
-        for name, sampling in passes.items():
-            metric = f"mean@{sampling['n']}"
-            for scored, batch_scores in generate_and_score(
-                    generator.generate_sequences, lambda r: score_batch(tokenizer, r), data, sampling, batch_size,
-                    seed, f"eval ({name}, {metric})"):
-                for source, score in zip(scored.non_tensor_batch["data_source"], batch_scores):
-                    scores[metric][source].append(score)
-                if out is not None:
-                    _write_responses(out, tokenizer, scored, batch_scores, name, sampling["n"])
+        return score_passes(generator.generate_sequences, lambda r: score_batch(tokenizer, r), data, passes,
+                            batch_size, seed, lambda name: f"eval ({name}, mean@{passes[name]['n']})",
+                            write if out is not None else None)
     finally:
         if out is not None:
             out.close()
-    return scores
 
 
-def _summarise(scores: dict[str, dict[str, list[float]]], sources: list[str]) -> dict[str, Any]:
-    """``{metric: mean over all responses, "by_data_source": {source: {"num_prompts", metric: mean}}}`` from
-    ``scores`` (metric -> data source -> scores) and the data source of each prompt."""
-    result: dict[str, Any] = {metric: float(np.mean([s for v in by_source.values() for s in v]))
-                              for metric, by_source in scores.items()}
-    result["by_data_source"] = {
-        source: {"num_prompts": count,
-                 **{metric: float(np.mean(by_source[source])) for metric, by_source in scores.items()}}
-        for source, count in sorted(Counter(sources).items())
-    }
-    return result
+def _summarise(results: dict[str, tuple[list[float], list[str]]], passes: dict[str, dict],
+               sources: list[str]) -> dict[str, Any]:
+    """``{"mean@<n>": mean over all responses, ..., "by_data_source": {source: {"num_prompts", "mean@<n>": mean}}}``
+    from the passes' results and the data source of each prompt."""
+    result: dict[str, Any] = {"by_data_source": {source: {"num_prompts": count}
+                                                 for source, count in sorted(Counter(sources).items())}}
+    for name, (scores, response_sources) in results.items():
+        metric = f"mean@{passes[name]['n']}"
+        result[metric], per_source = mean_by_source(scores, response_sources)
+        for source, value in per_source.items():
+            result["by_data_source"][source][metric] = value
+    return {k: result[k] for k in [*(k for k in result if k != "by_data_source"), "by_data_source"]}
 
 
-def _build_rollout(name: str, model_path: str, config: SimpleNamespace, tokenizer: Any, dtype: torch.dtype,
+def build_rollout(name: str, model_path: str, config: SimpleNamespace, tokenizer: Any, dtype: torch.dtype,
                    device: str, trust_remote_code: bool, max_model_len: int) -> BaseRollout:
     """The rollout backend ``name`` built as the actor worker builds it (``from_config``; a loaded module only
     for a backend that ``needs_module``)."""

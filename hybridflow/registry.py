@@ -19,7 +19,7 @@ registries from its own module, listed in ``trainer.plugins`` so the workers imp
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Generic, Iterable, Optional, TypeVar
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 from hybridflow.errors import UserError
 
@@ -38,10 +38,17 @@ class UnknownNameError(UserError, KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def unknown_name_error(kind: str, name: object, known: Iterable[str]) -> UnknownNameError:
-    """The error for an unknown ``name`` of ``kind``: lists the ``known`` names and the closest one, if any."""
+def unknown_name_error(kind: str, name: object, known: Iterable[str],
+                       missing: Optional[str] = None) -> UnknownNameError:
+    """The error for an unknown ``name`` of ``kind``: lists the ``known`` names and the closest one, if any.
+
+    ``missing`` replaces the default opening ``"unknown {kind} {name!r}"`` (a format string with the fields
+    ``kind`` and ``name``), for a kind whose lookup key reads better in other words ("no reward registered for
+    data_source 'x'").
+    """
     known = sorted(known)
-    message = f"unknown {kind} {name!r}; known: {', '.join(known) or '(none)'}"
+    opening = (missing or "unknown {kind} {name!r}").format(kind=kind, name=name)
+    message = f"{opening}; known: {', '.join(known) or '(none)'}"
     close = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6) if isinstance(name, str) else []
     if close:
         message += f" (did you mean {close[0]!r}?)"
@@ -57,13 +64,15 @@ class Registry(Generic[T]):
             entry of a kind one calling convention while the function keeps its natural signature).
         check: optional ``check(name, obj)`` run at registration; it raises ``TypeError`` for an object that is
             not of this kind (e.g. a class that does not subclass the kind's base class).
+        missing: optional opening of the unknown-name message (see :func:`unknown_name_error`).
     """
 
     def __init__(self, kind: str, adapter: Optional[Callable[[str, T], Any]] = None,
-                 check: Optional[Callable[[str, T], None]] = None) -> None:
+                 check: Optional[Callable[[str, T], None]] = None, missing: Optional[str] = None) -> None:
         self.kind = kind
         self._adapter = adapter
         self._check = check
+        self._missing = missing
         self._originals: dict[str, T] = {}
         self._entries: dict[str, Any] = {}
         self._meta: dict[str, dict[str, Any]] = {}
@@ -101,7 +110,7 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except (KeyError, TypeError):  # TypeError: unhashable name
-            raise unknown_name_error(self.kind, name, self._entries) from None
+            raise unknown_name_error(self.kind, name, self._entries, self._missing) from None
 
     def original(self, name: str) -> T:
         """The object as registered (before the adapter), raising like :meth:`get`."""
@@ -119,9 +128,24 @@ class Registry(Generic[T]):
             return dict(self._meta[name])
         return self._meta[name].get(key, default)
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` and return the object registered under it (tests clean up what they registered).
+
+        Raises:
+            UnknownNameError: ``name`` is not registered.
+        """
+        obj = self.original(name)
+        del self._originals[name], self._entries[name], self._meta[name]
+        return obj
+
+    pop = unregister  # the dict spelling, for code that treated a registry as a dict
+
     def names(self, **where: Any) -> list[str]:
         """Registered names, sorted; with ``where`` only those whose metadata has each given value."""
         return sorted(n for n in self._entries if all(self._meta[n].get(k) == v for k, v in where.items()))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name in self._entries

@@ -119,10 +119,10 @@ def _check_tokenizer(tokenizer):
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids) == text
 
 
-def test_build_script_end_to_end(tmp_path):
+def test_build_script_end_to_end(tmp_path, repo_script):
     import torch
 
-    from hybridflow.models.builtin.build_tiny_arith import main
+    main = repo_script("scripts/build_tiny_arith.py").main
 
     out = tmp_path / "tiny"
     main(["--out", str(out), "--steps", "5", "--threads", "1"])
@@ -147,3 +147,41 @@ def test_shipped_model_is_small_and_loads():
     model, tokenizer = _load(resolve_model_path("builtin:tiny-arith"))
     _check_tokenizer(tokenizer)
     assert model.config.head_dim == 32
+
+
+def test_check_script_scores_like_hybridflow_eval(tmp_path, repo_script, capsys):
+    """The built-in model's check script is a third caller of the one validation path: its greedy score on rows
+    equals ``hybridflow eval``'s mean@1 on the same rows written to parquet, and a one-update RL smoke run goes
+    through the same rollout."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridflow.data.builtin_task import make_builtin_rows
+    from hybridflow.evaluation import evaluate
+
+    check = repo_script("scripts/check_tiny_arith.py")
+    result = check.main(["--num-val", "6", "--samples", "2", "--rl-smoke", "--rl-updates", "1", "--rl-batch", "4"])
+    capsys.readouterr()
+    rows = make_builtin_rows("val", 6, 0)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "val.parquet")
+    reference = evaluate("builtin:tiny-arith", tmp_path / "val.parquet", n=2, temperature=1.0,
+                         max_response_length=check.RESPONSE_LENGTH, batch_size=128, dtype="float32", device="cpu")
+    before = result["before"]
+    assert before["num_prompts"] == reference["num_prompts"] == 6
+    assert before["greedy_score"] == pytest.approx(reference["mean@1"], abs=1e-4)
+    assert before["sampled_score"] == pytest.approx(reference["mean@2"], abs=1e-4)  # same seed, same samples
+    assert [point["update"] for point in result["rl"]["curve"]] == [1]
+    assert result["after"]["num_prompts"] == 6
+
+
+def test_build_scripts_live_outside_the_package_and_the_asset_ships():
+    """The build/check scripts are repository scripts; the installed package keeps only the built model, which the
+    package data of pyproject.toml ships."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    assert not list((root / "hybridflow" / "models" / "builtin").glob("*tiny_arith*.py"))
+    assert (root / "scripts" / "build_tiny_arith.py").is_file() and (root / "scripts" / "check_tiny_arith.py").is_file()
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "assets/**/*" in package_data["hybridflow"]
+    assert Path(BUILTIN_MODELS["tiny-arith"]).is_relative_to(root / "hybridflow" / "assets")

@@ -4,9 +4,12 @@ Shapes in docstrings: ``(B, T)`` = batch, response tokens; ``V`` = vocabulary.
 """
 
 from hybridflow.algorithms.advantage import (
+    ADV_ESTIMATORS,
     compute_gae_advantage_return,
     compute_grpo_outcome_advantage,
     get_adv_estimator_fn,
+    needs_critic,
+    needs_reward_baselines,
     register_adv_est,
 )
 from hybridflow.algorithms.advantage_reinforce import (  # importing registers rloo, reinforce++(-baseline), remax
@@ -25,6 +28,7 @@ from hybridflow.algorithms.kl import (
 )
 from hybridflow.algorithms.losses import (
     LOSS_AGG_MODES,
+    POLICY_LOSSES,
     agg_loss,
     compute_policy_loss,
     compute_policy_loss_aipo,
@@ -33,20 +37,24 @@ from hybridflow.algorithms.losses import (
     compute_value_loss,
     entropy_from_logits,
     get_policy_loss_fn,
+    importance_weight_cap,
     logprobs_from_logits,
+    policy_loss_meta,
     register_policy_loss,
 )
-from hybridflow.algorithms.registry import UnknownNameError
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, compute_safe_rlhf_advantage
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits, truncation_mask
 from hybridflow.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+from hybridflow.registry import UnknownNameError
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "KL_PENALTY_TYPES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "LagrangeMultiplier",
+    "POLICY_LOSSES",
     "SamplingSpec",
     "UnknownNameError",
     "agg_loss",
@@ -66,6 +74,7 @@ __all__ = [
     "get_adv_estimator_fn",
     "get_kl_controller",
     "get_policy_loss_fn",
+    "importance_weight_cap",
     "informative_groups",
     "kl_penalty",
     "logprobs_from_logits",
@@ -73,8 +82,11 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "needs_critic",
+    "needs_reward_baselines",
     "overlong_filter_mask",
     "overlong_reward_penalty",
+    "policy_loss_meta",
     "register_adv_est",
     "register_policy_loss",
     "sampling_logits",

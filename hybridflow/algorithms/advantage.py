@@ -40,8 +40,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from hybridflow.algorithms.registry import Registry
-from hybridflow.algorithms.utils import masked_sum, masked_whiten
+from hybridflow.algorithms._groups import broadcast_over_valid, check_batch, group_ids, group_total, outcome_scores
+from hybridflow.algorithms.utils import masked_whiten
+from hybridflow.registry import Registry
 
 _MISSING = object()
 _SKIPPED_KINDS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -79,16 +80,19 @@ def _uniform_call_adapter(name: str, fn: Callable) -> Callable[..., tuple[torch.
 ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter)
 
 
-def register_adv_est(name: str) -> Callable[[Callable], Callable]:
-    """Decorator registering an advantage estimator under ``name``.
+def register_adv_est(name: str, **meta: Any) -> Callable[[Callable], Callable]:
+    """Decorator registering an advantage estimator under ``name``, with metadata ``meta``.
 
     The decorated function is returned unchanged; the registry stores the uniform-call adapter.
-    The function must return ``(advantages, returns)``, each ``(B, T)``.
+    The function must return ``(advantages, returns)``, each ``(B, T)``. Metadata the package reads:
+    ``needs_values=True`` (the estimator reads critic values ``V(s_t)``, so a critic is trained unless
+    ``critic.enable`` says otherwise; GAE) and ``needs_reward_baselines=True`` (it reads
+    ``batch["reward_baselines"]``, which only the ``remax`` driver supplies; ReMax).
 
     Raises:
         ValueError: another function is already registered under ``name``.
     """
-    return ADV_ESTIMATORS.register(name)
+    return ADV_ESTIMATORS.register(name, **meta)
 
 
 def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
@@ -100,45 +104,26 @@ def get_adv_estimator_fn(name: str) -> Callable[..., tuple[torch.Tensor, torch.T
     return ADV_ESTIMATORS.get(name)
 
 
-def _check_batch(**tensors: torch.Tensor) -> None:
-    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
-    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
-        raise ValueError(f"expected tensors of one (batch, response_len) shape, got "
-                         f"{', '.join(f'{k}={v}' for k, v in shapes.items())}")
-
-
-def _group_ids(index: Any, batch: int, device: torch.device) -> torch.Tensor:
-    """``(B,)`` long tensor numbering the distinct values of ``index`` 0..G-1 (rows with equal ids share one).
+def needs_critic(estimator: str) -> bool:
+    """Whether the estimator ``estimator`` reads critic values (its ``needs_values`` metadata): the default of
+    ``critic.enable``.
 
     Raises:
-        ValueError: ``index`` does not have one entry per row.
+        UnknownNameError: ``estimator`` is not registered.
     """
-    index = np.asarray(index)
-    if index.shape != (batch,):
-        raise ValueError(f"index must have shape ({batch},) (one group id per response), got {index.shape}")
-    _, group = np.unique(index, return_inverse=True)
-    return torch.as_tensor(group.reshape(-1), dtype=torch.long, device=device)
+    return bool(ADV_ESTIMATORS.meta(estimator, "needs_values", False))
 
 
-def _group_total(values: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """For each row, the sum of ``values`` (``(B,)``) over the rows of its group (``(B,)``, dtype of ``values``)."""
-    n_groups = int(group.max()) + 1 if group.numel() else 0
-    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add(0, group, values)[group]
+def needs_reward_baselines(estimator: str) -> bool:
+    """Whether the estimator ``estimator`` reads ``reward_baselines`` (its ``needs_reward_baselines`` metadata).
+
+    Raises:
+        UnknownNameError: ``estimator`` is not registered.
+    """
+    return bool(ADV_ESTIMATORS.meta(estimator, "needs_reward_baselines", False))
 
 
-def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` float64 sequence scores: the sum of each row's rewards over its valid tokens."""
-    return masked_sum(token_level_rewards.double(), response_mask, axis=-1)
-
-
-def _broadcast_over_valid(seq_values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` float32: the per-sequence ``(B,)`` value on every valid token, 0 on padding."""
-    valid = response_mask != 0
-    return torch.where(valid, seq_values.float()[:, None].expand(valid.shape),
-                       torch.zeros(valid.shape, device=seq_values.device))
-
-
-@register_adv_est("gae")
+@register_adv_est("gae", needs_values=True)
 def compute_gae_advantage_return(
     token_level_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -169,7 +154,7 @@ def compute_gae_advantage_return(
     Raises:
         ValueError: shapes differ or are not 2-D; fewer than 2 valid tokens in the batch (whitening).
     """
-    _check_batch(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
+    check_batch(token_level_rewards=token_level_rewards, values=values, response_mask=response_mask)
     with torch.no_grad():
         valid = response_mask != 0
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
@@ -222,16 +207,16 @@ def compute_grpo_outcome_advantage(
     Raises:
         ValueError: shapes differ, or ``index`` does not have one entry per row.
     """
-    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    group = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
+    check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    group = group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
     with torch.no_grad():
-        scores = _outcome_scores(token_level_rewards, response_mask)  # (B,)
-        size = _group_total(torch.ones_like(scores), group)
-        centered = scores - _group_total(scores, group) / size
+        scores = outcome_scores(token_level_rewards, response_mask)  # (B,)
+        size = group_total(torch.ones_like(scores), group)
+        centered = scores - group_total(scores, group) / size
         seq_adv = centered
         if norm_adv_by_std_in_grpo:
-            std = torch.sqrt(_group_total(centered**2, group) / torch.clamp(size - 1, min=1))
+            std = torch.sqrt(group_total(centered**2, group) / torch.clamp(size - 1, min=1))
             seq_adv = centered / (std + epsilon)
         seq_adv = torch.where(size > 1, seq_adv, torch.zeros_like(seq_adv))
-        advantages = _broadcast_over_valid(seq_adv, response_mask)
+        advantages = broadcast_over_valid(seq_adv, response_mask)
     return advantages, advantages

@@ -18,14 +18,8 @@ from typing import Any
 
 import torch
 
-from hybridflow.algorithms.advantage import (
-    _broadcast_over_valid,
-    _check_batch,
-    _group_ids,
-    _group_total,
-    _outcome_scores,
-    register_adv_est,
-)
+from hybridflow.algorithms._groups import broadcast_over_valid, check_batch, group_ids, group_total, outcome_scores
+from hybridflow.algorithms.advantage import register_adv_est
 from hybridflow.algorithms.utils import masked_whiten
 
 
@@ -76,14 +70,14 @@ def compute_rloo_outcome_advantage(
         ValueError: shapes differ or are not 2-D, or ``index`` does not have one entry per row.
     """
     del epsilon  # verl's signature has it; the leave-one-out baseline needs no division guard
-    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    group = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
+    check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    group = group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
     with torch.no_grad():
-        scores = _outcome_scores(token_level_rewards, response_mask)  # (B,) float64
-        size = _group_total(torch.ones_like(scores), group)
-        others_mean = (_group_total(scores, group) - scores) / torch.clamp(size - 1, min=1)
+        scores = outcome_scores(token_level_rewards, response_mask)  # (B,) float64
+        size = group_total(torch.ones_like(scores), group)
+        others_mean = (group_total(scores, group) - scores) / torch.clamp(size - 1, min=1)
         seq_adv = torch.where(size > 1, scores - others_mean, torch.zeros_like(scores))
-        advantages = _broadcast_over_valid(seq_adv, response_mask)
+        advantages = broadcast_over_valid(seq_adv, response_mask)
     return advantages, advantages
 
 
@@ -118,7 +112,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     Raises:
         ValueError: shapes differ or are not 2-D; fewer than 2 valid tokens in the batch (whitening).
     """
-    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
     with torch.no_grad():
         returns = _returns_to_go(token_level_rewards, response_mask, gamma)
         advantages = masked_whiten(returns, response_mask != 0)
@@ -155,17 +149,17 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
             than 2 valid tokens in the batch (whitening).
     """
     del epsilon
-    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
-    group = _group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
+    check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    group = group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
     with torch.no_grad():
-        scores = _outcome_scores(token_level_rewards, response_mask)  # (B,) float64
-        size = _group_total(torch.ones_like(scores), group)
-        centered = scores - _group_total(scores, group) / size  # exactly 0 for a group of size 1
-        advantages = masked_whiten(_broadcast_over_valid(centered, response_mask), response_mask != 0)
+        scores = outcome_scores(token_level_rewards, response_mask)  # (B,) float64
+        size = group_total(torch.ones_like(scores), group)
+        centered = scores - group_total(scores, group) / size  # exactly 0 for a group of size 1
+        advantages = masked_whiten(broadcast_over_valid(centered, response_mask), response_mask != 0)
     return advantages, advantages
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_reward_baselines=True)
 def compute_remax_outcome_advantage(
     token_level_rewards: torch.Tensor,
     reward_baselines: torch.Tensor,
@@ -190,12 +184,12 @@ def compute_remax_outcome_advantage(
     Raises:
         ValueError: shapes differ or are not 2-D, or ``reward_baselines`` is not ``(B,)``.
     """
-    _check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
+    check_batch(token_level_rewards=token_level_rewards, response_mask=response_mask)
     batch = token_level_rewards.shape[0]
     if tuple(reward_baselines.shape) != (batch,):
         raise ValueError(f"reward_baselines must have shape ({batch},) (one greedy-response reward per "
                          f"sample), got {tuple(reward_baselines.shape)}")
     with torch.no_grad():
         returns = _returns_to_go(token_level_rewards, response_mask, gamma=1.0)
-        advantages = returns - _broadcast_over_valid(reward_baselines.to(returns.device), response_mask)
+        advantages = returns - broadcast_over_valid(reward_baselines.to(returns.device), response_mask)
     return advantages, returns

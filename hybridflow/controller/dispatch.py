@@ -48,8 +48,10 @@ import ray
 from hybridflow.controller.decorator import Dispatch
 from hybridflow.controller.futures import DataProtoFuture
 from hybridflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.registry import Registry
 
 __all__ = [
+    "DISPATCH_MODES",
     "DispatchError",
     "DispatchPlan",
     "DispatchMode",
@@ -98,6 +100,7 @@ class DispatchMode:
     dispatch_fn: Callable[..., DispatchPlan]
     collect_fn: Callable[[list], Any]
     returns_proto: bool = False
+    needs_mesh: bool = False  # dispatch_fn takes the mesh name first (bound by get_dispatch_mode)
 
 
 @dataclass(frozen=True)
@@ -301,17 +304,18 @@ def _key(mode: Union[Dispatch, str]) -> str:
     return mode.value if isinstance(mode, Dispatch) else mode
 
 
-_MODES: dict[str, DispatchMode] = {
-    _key(Dispatch.ONE_TO_ALL): DispatchMode(dispatch_one_to_all, collect_all_to_all),
-    _key(Dispatch.ALL_TO_ALL): DispatchMode(dispatch_all_to_all, collect_all_to_all),
-    _key(Dispatch.RANK_ZERO): DispatchMode(dispatch_rank_zero, collect_rank_zero),
-    _key(Dispatch.DP_COMPUTE_PROTO): DispatchMode(
-        dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, returns_proto=True
-    ),
-    _key(Dispatch.MESH_COMPUTE_PROTO): DispatchMode(
-        dispatch_mesh_compute_data_proto, collect_dp_compute_data_proto, returns_proto=True
-    ),
-}
+DISPATCH_MODES: Registry = Registry("dispatch mode")
+for _mode, _entry in (
+    (Dispatch.ONE_TO_ALL, DispatchMode(dispatch_one_to_all, collect_all_to_all)),
+    (Dispatch.ALL_TO_ALL, DispatchMode(dispatch_all_to_all, collect_all_to_all)),
+    (Dispatch.RANK_ZERO, DispatchMode(dispatch_rank_zero, collect_rank_zero)),
+    (Dispatch.DP_COMPUTE_PROTO, DispatchMode(dispatch_dp_compute_data_proto, collect_dp_compute_data_proto,
+                                             returns_proto=True)),
+    (Dispatch.MESH_COMPUTE_PROTO, DispatchMode(dispatch_mesh_compute_data_proto, collect_dp_compute_data_proto,
+                                               returns_proto=True, needs_mesh=True)),
+):
+    DISPATCH_MODES.register(_key(_mode))(_entry)
+del _mode, _entry
 
 
 def register_dispatch_mode(
@@ -320,7 +324,7 @@ def register_dispatch_mode(
     collect_fn: Callable[[list], Any],
     returns_proto: bool = False,
 ) -> None:
-    """Add a dispatch mode usable as ``register(dispatch_mode=name)``.
+    """Add a dispatch mode usable as ``register(dispatch_mode=name)`` (into the registry ``DISPATCH_MODES``).
 
     ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``; ``collect_fn(outputs) -> result``;
     ``returns_proto``: the result is a ``DataProto`` (non-blocking calls then return a ``DataProtoFuture``;
@@ -331,22 +335,20 @@ def register_dispatch_mode(
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"dispatch mode name must be a non-empty str, got {name!r}")
-    if name in _MODES:
-        raise ValueError(f"dispatch mode {name!r} is already registered (known: {sorted(_MODES)})")
+    if name in DISPATCH_MODES:
+        raise ValueError(f"dispatch mode {name!r} is already registered (known: {DISPATCH_MODES.names()})")
     if not callable(dispatch_fn) or not callable(collect_fn):
         raise TypeError("dispatch_fn and collect_fn must be callable")
-    _MODES[name] = DispatchMode(dispatch_fn, collect_fn, returns_proto)
+    DISPATCH_MODES.register(name)(DispatchMode(dispatch_fn, collect_fn, returns_proto))
 
 
 def get_dispatch_mode(mode: Union[Dispatch, str], mesh_name: Optional[str] = None) -> DispatchMode:
     """The ``DispatchMode`` for ``mode``; for ``MESH_COMPUTE_PROTO`` its dispatch function is bound to ``mesh_name``.
 
-    Raises ``KeyError`` listing the known modes when ``mode`` is not registered.
+    Raises:
+        UnknownNameError: (a ``KeyError``) ``mode`` is not registered; the message lists the known modes.
     """
-    key = _key(mode)
-    if key not in _MODES:
-        raise KeyError(f"unknown dispatch mode {mode!r}; known: {sorted(_MODES)}")
-    entry = _MODES[key]
-    if key == _key(Dispatch.MESH_COMPUTE_PROTO):
+    entry = DISPATCH_MODES.get(_key(mode))
+    if entry.needs_mesh:
         return DispatchMode(functools.partial(entry.dispatch_fn, mesh_name), entry.collect_fn, entry.returns_proto)
     return entry

@@ -13,6 +13,7 @@ import datetime
 import ipaddress
 import os
 import socket
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ def build_mesh(dp: int, tp: int = 1) -> DeviceMesh:
     return init_device_mesh(get_device_name(), (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def all_reduce_sum(value: float | torch.Tensor, group=None) -> torch.Tensor:
+def all_reduce_sum(value: float | torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Sum a scalar (or tensor) over ``group``; returns a new fp64 tensor on the collective's device.
     Without an initialised process group (a single process) it returns the value itself."""
     if not dist.is_initialized():
@@ -133,7 +134,7 @@ def all_reduce_sum(value: float | torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
-def all_reduce_mean(values: dict[str, float], group=None) -> dict[str, float]:
+def all_reduce_mean(values: dict[str, float], group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
     """Average every value of a metrics dict over ``group`` in one collective (same keys on every rank)."""
     if not values:
         return {}

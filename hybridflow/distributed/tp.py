@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hybridflow.distributed.fsdp import apply_fsdp2
+from hybridflow.registry import Registry
 
 __all__ = [
     "TPPlan",
@@ -63,18 +64,18 @@ _LLAMA_LIKE = TPPlan(
     colwise=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
     rowwise=("self_attn.o_proj", "mlp.down_proj"),
 )
-_TP_PLANS: dict[str, TPPlan] = {}
+TP_PLANS: Registry = Registry("tensor-parallel plan", missing="no tensor-parallel plan for model_type {name!r}")
 
 
 def register_tp_plan(model_type: str, plan: TPPlan) -> None:
-    """Register ``plan`` for HF ``config.model_type == model_type``.
+    """Register ``plan`` for HF ``config.model_type == model_type`` (in the registry ``TP_PLANS``).
 
     Raises:
         ValueError: ``model_type`` already has a different plan.
     """
-    if _TP_PLANS.get(model_type, plan) != plan:
+    if model_type in TP_PLANS and TP_PLANS.get(model_type) != plan:
         raise ValueError(f"a different tensor-parallel plan is already registered for model_type {model_type!r}")
-    _TP_PLANS[model_type] = plan
+    TP_PLANS.register(model_type)(plan)
 
 
 register_tp_plan("llama", _LLAMA_LIKE)
@@ -83,24 +84,21 @@ register_tp_plan("qwen2", _LLAMA_LIKE)  # q/k/v biases are split with their rows
 
 def registered_tp_plans() -> list[str]:
     """Sorted model types that have a tensor-parallel plan."""
-    return sorted(_TP_PLANS)
+    return TP_PLANS.names()
 
 
-def get_tp_plan(config) -> TPPlan:
-    """The plan for ``config.model_type`` (a HF config, or a model with ``.config``).
+def get_tp_plan(config: Any) -> TPPlan:
+    """The plan for ``config.model_type`` (a HF config, or a model with ``.config``); a new architecture gets one
+    with :func:`register_tp_plan`.
 
     Raises:
-        KeyError: no plan for that model type (the message lists the known ones).
+        UnknownNameError: (a ``KeyError``) no plan for that model type (the message lists the known ones).
     """
     config = getattr(config, "config", config)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in _TP_PLANS:
-        raise KeyError(f"no tensor-parallel plan for model_type {model_type!r}; known: {registered_tp_plans()} "
-                       "(register one with hybridflow.distributed.tp.register_tp_plan)")
-    return _TP_PLANS[model_type]
+    return TP_PLANS.get(getattr(config, "model_type", None))
 
 
-def check_tp_size(config, tp: int, phase: Phase = "train") -> None:
+def check_tp_size(config: Any, tp: int, phase: Phase = "train") -> None:
     """Check that ``config`` splits evenly over ``tp`` ranks (whole heads and kv groups per rank; whole MLP
     columns; in the generation phase whole vocabulary rows).
 

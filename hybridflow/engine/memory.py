@@ -11,6 +11,7 @@ outside torch tensors (e.g. transport buffers) is not seen.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,7 +30,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self._refs: dict[int, list[int]] = {}  # storage data_ptr -> [tracked tensors alive, bytes]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         out = func(*args, **(kwargs or {}))
         returns = func._schema.returns
         flat, _ = tree_flatten(out)

@@ -18,7 +18,7 @@ lockstep, and the all-gathered logits are the same bits everywhere, so the same 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -90,14 +90,14 @@ class VocabParallelLMHead(torch.nn.Linear):
         return self.tp.all_gather_last_dim(F.linear(x, self.weight, self.bias))
 
 
-def _swap(module: torch.nn.Module, cls: type, tp: TPGroup, **attrs) -> None:
+def _swap(module: torch.nn.Module, cls: type, tp: TPGroup, **attrs: Any) -> None:
     module.__class__ = cls  # same parameters and names, tensor-parallel forward
     module.tp = tp
     for key, value in attrs.items():
         setattr(module, key, value)
 
 
-def build_tp_generation_model(config, tp: TPGroup, dtype: torch.dtype) -> torch.nn.Module:
+def build_tp_generation_model(config: Any, tp: TPGroup, dtype: torch.dtype) -> torch.nn.Module:
     """The causal LM of ``config`` on the ``meta`` device, with its split layers made tensor parallel over
     ``tp`` (plain model when ``tp.size == 1``). Parameters keep their HF names and full shapes until the
     engine installs the local shards; tied weights stay tied (one parameter).

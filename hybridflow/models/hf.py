@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import transformers
@@ -52,7 +53,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def get_eos_token_ids(path: str, tokenizer) -> list[int]:
+def get_eos_token_ids(path: str, tokenizer: Any) -> list[int]:
     """Every id that ends generation: the tokenizer's eos plus all of ``generation_config.eos_token_id``."""
     ids: list[int] = []
     if tokenizer.eos_token_id is not None:

@@ -196,10 +196,13 @@ def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[
         problems.append(f"{model}.lora_rank > 0 with actor_rollout_ref.actor.tensor_model_parallel_size > 1 is not "
                         "implemented (tensor-parallel plans do not cover peft's LoRA layers): use tp 1")
     rollout = get("actor_rollout_ref.rollout.name")
-    if rollout == "hf" and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
+    from hybridflow.config.checks import declared  # here: the config package imports this module
+
+    colocated = declared("rollout", rollout, "uses_hybrid_engine", False)  # with LoRA: its own merged copy per rank
+    if colocated and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
         problems.append(f"{model}.lora_rank > 0 with the hf rollout generates from a full merged copy per rank: "
                         "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
-    if sync == "adapter" and not (rollout == "hf" and get("algorithm.driver") != "async"):
+    if sync == "adapter" and not (colocated and get("algorithm.driver") != "async"):
         problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter is implemented for the colocated hf rollout "
                         f"only (rollout.name={rollout}, algorithm.driver={get('algorithm.driver')}): use "
                         "lora_sync=merged")

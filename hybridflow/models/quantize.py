@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import logging
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ class Int8Linear(nn.Module):
         dtype: dtype of the bias.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Optional[torch.device] = None,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features = in_features

@@ -15,17 +15,22 @@ import os
 from typing import Any, Callable
 
 from hybridflow.errors import DataError
+from hybridflow.registry import Registry
 from hybridflow.rewards import gsm8k, math
 
 RewardFn = Callable[[str, str, Any], float]
 # verl's custom reward function: fn(data_source, solution_str, ground_truth, extra_info=None) -> float
 ComputeScoreFn = Callable[[str, str, str, Any], float]
-REWARD_REGISTRY: dict[str, RewardFn] = {}
 MATH_DATA_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
+REWARDS: Registry = Registry("reward", missing="no reward registered for data_source {name!r}")
+REWARD_REGISTRY = REWARDS  # the former name (it was a dict; the Registry keeps ``pop`` and ``in``)
 
 
 def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` for data sources.
+
+    A data source has one scorer: registering one that is taken raises, even with the same function (two modules
+    claiming one data source is a mistake worth a clear error).
 
     Raises:
         ValueError: no data source given, or one is already registered.
@@ -35,9 +40,9 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 
     def decorator(fn: RewardFn) -> RewardFn:
         for source in data_sources:
-            if source in REWARD_REGISTRY:
+            if source in REWARDS:
                 raise ValueError(f"reward for data_source {source!r} is already registered")
-            REWARD_REGISTRY[source] = fn
+            REWARDS.register(source)(fn)
         return fn
 
     return decorator
@@ -49,7 +54,8 @@ def default_compute_score(
     """Score one decoded response with the reward registered for ``data_source``.
 
     Raises:
-        ValueError: no reward is registered for ``data_source`` (the message lists the known ones).
+        UnknownNameError: (a ``ValueError``) no reward is registered for ``data_source`` (the message lists the
+            known ones).
     """
     return float(get_reward_fn(data_source)(solution_str, ground_truth, extra_info))
 
@@ -58,15 +64,10 @@ def get_reward_fn(data_source: str) -> RewardFn:
     """The scorer registered for ``data_source``.
 
     Raises:
-        ValueError: none is registered (the message lists the known data sources).
+        UnknownNameError: (a ``ValueError`` and ``KeyError``) none is registered (the message lists the known data
+            sources and the nearest).
     """
-    try:
-        return REWARD_REGISTRY[data_source]
-    except KeyError:
-        raise ValueError(
-            f"no reward registered for data_source {data_source!r}; "
-            f"known data sources: {sorted(REWARD_REGISTRY)}"
-        ) from None
+    return REWARDS.get(data_source)
 
 
 def check_data_sources(rows: Sequence[Mapping[str, Any]]) -> None:
@@ -140,6 +141,6 @@ def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) ->
     return math.compute_score(solution_str, ground_truth)
 
 
-__all__ = ["REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
+__all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
            "load_compute_score", "register_reward",
            "gsm8k", "math"]

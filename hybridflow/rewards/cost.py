@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from hybridflow.algorithms.registry import Registry
+from hybridflow.registry import Registry
 
 CostFn = Callable[[str, str, Any], float]
 COSTS: Registry = Registry("rule cost")

@@ -13,8 +13,10 @@ worker owns one backend and drives it through a small lifecycle:
 4. ``sleep()`` before the trainer needs the memory (update phase), ``wake()`` before the next
    generation. While asleep, ``generate_sequences`` and ``load_weights`` raise :class:`RolloutAsleepError`.
 
-Backends register under a name with :func:`register_rollout` and are looked up with
-:func:`get_rollout_class` (the ``actor_rollout_ref.rollout.name`` config key).
+Backends register under a name with :func:`register_rollout` (in the one :class:`~hybridflow.registry.Registry`
+``ROLLOUTS``, with metadata such as ``uses_hybrid_engine``) and are looked up with :func:`get_rollout_class` (the
+``actor_rollout_ref.rollout.name`` config key); code decides on what a backend declares
+(:func:`uses_hybrid_engine`, :func:`rollout_meta`), never on its name.
 
 Sampling logprobs (the contract every backend and the trainer keep)
 -------------------------------------------------------------------
@@ -46,15 +48,20 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, S
 
 import torch
 
+from hybridflow.registry import Registry
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from hybridflow.protocol import DataProto
 
 __all__ = [
+    "ROLLOUTS",
     "BaseRollout",
     "RolloutAsleepError",
     "get_rollout_class",
     "register_rollout",
     "registered_rollouts",
+    "rollout_meta",
+    "uses_hybrid_engine",
 ]
 
 
@@ -147,43 +154,62 @@ class BaseRollout(abc.ABC):
         """Undo :meth:`sleep`; waking an awake backend is a no-op."""
 
 
-_ROLLOUT_REGISTRY: dict[str, type[BaseRollout]] = {}
+def _check_rollout_class(name: str, cls: Any) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
+        raise TypeError(f"register_rollout({name!r}) expects a BaseRollout subclass, got {cls!r}")
 
 
-def register_rollout(name: str) -> Callable[[type[BaseRollout]], type[BaseRollout]]:
-    """Class decorator registering a :class:`BaseRollout` subclass under ``name``.
+ROLLOUTS: Registry = Registry("rollout backend", check=_check_rollout_class)
+_ROLLOUT_REGISTRY = ROLLOUTS  # the former (dict) name; the Registry keeps ``pop`` for code that cleaned up with it
+
+
+def register_rollout(name: str, **meta: Any) -> Callable[[type[BaseRollout]], type[BaseRollout]]:
+    """Class decorator registering a :class:`BaseRollout` subclass under ``name``, with metadata ``meta``.
+
+    The metadata the package reads (each optional, default False / None):
+
+    - ``uses_hybrid_engine``: the actor builds the 3D-HybridEngine and hands this backend the engine's generation
+      module (the colocated ``hf`` backend); otherwise the backend keeps its own copy of the weights.
+    - ``supports_int8_quantization``: the backend generates from the Hugging Face module it was given, in place, so
+      the async generators may quantize that module's Linear layers (``async_training.generator_quantization``).
+    - ``requires_package``: the module the backend imports when built (``vllm``), with ``install_hint``, a dict
+      ``trainer.device -> pip command`` (key ``None``: any device); a config naming the backend without that package
+      installed is refused at load.
 
     Raises:
         ValueError: ``name`` is already registered to a different class.
         TypeError: the decorated class is not a :class:`BaseRollout` subclass.
     """
-
-    def decorator(cls: type[BaseRollout]) -> type[BaseRollout]:
-        if not (isinstance(cls, type) and issubclass(cls, BaseRollout)):
-            raise TypeError(f"register_rollout({name!r}) expects a BaseRollout subclass, got {cls!r}")
-        existing = _ROLLOUT_REGISTRY.get(name)
-        if existing is not None and existing is not cls:
-            raise ValueError(f"rollout backend {name!r} is already registered to {existing.__qualname__}")
-        _ROLLOUT_REGISTRY[name] = cls
-        return cls
-
-    return decorator
+    return ROLLOUTS.register(name, **meta)
 
 
-def registered_rollouts() -> list[str]:
-    """Sorted names of the registered rollout backends."""
-    return sorted(_ROLLOUT_REGISTRY)
+def registered_rollouts(**where: Any) -> list[str]:
+    """Sorted names of the registered rollout backends (with ``where``: those whose metadata has those values)."""
+    return ROLLOUTS.names(**where)
 
 
 def get_rollout_class(name: str) -> type[BaseRollout]:
     """The rollout backend class registered under ``name``.
 
     Raises:
-        KeyError: unknown name; the message lists the registered names.
+        UnknownNameError: (a ``KeyError`` and ``ValueError``) unknown name; the message lists the registered names.
     """
-    try:
-        return _ROLLOUT_REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown rollout backend {name!r}; registered backends: {', '.join(registered_rollouts()) or 'none'}"
-        ) from None
+    return ROLLOUTS.get(name)
+
+
+def rollout_meta(name: str, key: str, default: Any = None) -> Any:
+    """One metadata value of the rollout backend ``name`` (see :func:`register_rollout`).
+
+    Raises:
+        UnknownNameError: ``name`` is not registered.
+    """
+    return ROLLOUTS.meta(name, key, default)
+
+
+def uses_hybrid_engine(name: str) -> bool:
+    """Whether the actor generates for backend ``name`` through the 3D-HybridEngine (its ``uses_hybrid_engine``).
+
+    Raises:
+        UnknownNameError: ``name`` is not registered.
+    """
+    return bool(ROLLOUTS.meta(name, "uses_hybrid_engine", False))

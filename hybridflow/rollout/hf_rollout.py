@@ -17,7 +17,6 @@ import time
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
-from transformers import DynamicCache
 
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.protocol import DataProto
@@ -80,7 +79,7 @@ def _retie(module: torch.nn.Module, alias_groups: list[list[str]]) -> None:
             setattr(module.get_submodule(owner_name), leaf, shared)
 
 
-@register_rollout("hf")
+@register_rollout("hf", uses_hybrid_engine=True, supports_int8_quantization=True)
 class HFRollout(BaseRollout):
     """Rollout backend over a Hugging Face causal LM, decoding with ``DynamicCache``.
 
@@ -209,6 +208,8 @@ class HFRollout(BaseRollout):
         # response tokens per row: the step at which the row emitted its eos (1-based), else R
         lengths = torch.full((rows,), length, dtype=torch.long, device=input_ids.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+        from transformers import DynamicCache  # here: importing the rollout registry stays light
+
         cache = DynamicCache(config=self.module.config)
         step_ids, step_positions = input_ids, position_ids
         mask = attention_mask

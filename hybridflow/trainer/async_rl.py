@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import torch
 
+from hybridflow.algorithms import importance_weight_cap
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
@@ -86,8 +87,7 @@ class AsyncTrainer(Driver):
         self.dropped_samples = 0  # a running total (not saved in checkpoints: restarts at 0 on resume)
         actor = config.actor_rollout_ref.actor
         # the cap the loss applies to pi/mu: AIPO's rho, or the truncated-IS cap of the PPO-clip losses
-        self._cap = actor.aipo_rho if actor.policy_loss == "aipo" else (
-            actor.tis_imp_ratio_cap if actor.tis_imp_ratio_cap > 0 else None)
+        self._cap = importance_weight_cap(actor)
         if self.queue_size > self.max_staleness + 1:
             logger.warning("async_training.queue_size=%d > max_staleness + 1 = %d: requests beyond that are generated "
                            "with weights too old to train on and will mostly be dropped", self.queue_size,

@@ -4,99 +4,52 @@ Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. Wh
 ``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
 ``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
 With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response).
+
+The loop and the averages are :mod:`hybridflow.rewards.validation`'s, which ``hybridflow eval`` uses too.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hybridflow.protocol import DataProto
-from hybridflow.utils.progress import Progress
+from hybridflow.rewards.validation import GREEDY, PROMPT_KEYS, generate_and_score, score_passes, summarise_scores
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 logger = logging.getLogger(__name__)
 
-GREEDY = {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1}
-PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
-
-
-def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callable[[DataProto], list[float]],
-                       data: DataProto, sampling: dict, batch_size: Optional[int], seed: int,
-                       desc: str) -> Iterator[tuple[DataProto, list[float]]]:
-    """The rollout-and-score loop shared by validation and ``hybridflow eval`` (so both give the same numbers
-    for the same model, data and backend): ``data`` split into chunks of ``batch_size`` prompts (None: one
-    chunk), each chunk's prompts generated with the sampling overrides ``sampling`` (``do_sample``,
-    ``temperature``, ``top_p``, ``top_k``, ``n``) and ``seed`` in ``meta_info``, then scored. Shows a progress
-    bar (or plain lines) named ``desc`` over the prompts.
-
-    Args:
-        generate: the actor group's (or a local rollout's) ``generate_sequences``.
-        score: N responses -> N floats (e.g. the summed ``token_level_scores`` of the reward).
-        data: B left-padded prompts (``input_ids``, ``attention_mask``, ``position_ids`` (B, P)) and their
-            non-tensor columns (``data_source``, ``ground_truth``, ...).
-
-    Yields:
-        per chunk of b prompts: the N = b*n scored rows (the generated tensors and the prompts' non-tensor
-        columns repeated n times, interleaved: p0, p0, p1, ...) and their N scores.
-    """
-    batch_size = batch_size or len(data)
-    logger.info("%s: %d prompts x %d responses, %d prompts per batch", desc, len(data), sampling["n"], batch_size)
-    with Progress(desc, len(data), "prompts", leave=False) as progress:
-        for chunk in data.split(batch_size):
-            prompts = chunk.select(PROMPT_KEYS, non_tensor_batch_keys=[])
-            prompts.meta_info.update(sampling, seed=seed)
-            gen = generate(prompts)
-            columns = chunk.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch
-            rows = DataProto(batch=gen.batch, non_tensor_batch=columns)
-            yield rows, score(rows)
-            progress.update(len(chunk))
-
-
-def _scores(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, sampling: dict, cost: Any = None,
-            costs: list[float] | None = None) -> tuple[list[float], list[str]]:
-    """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``."""
-    scores: list[float] = []
-    sources: list[str] = []
-    name = "greedy" if not sampling["do_sample"] else f"mean@{sampling['n']}"
-
-    def score(rows: DataProto) -> list[float]:
-        return reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist()
-
-    for rows, chunk_scores in generate_and_score(actor.generate_sequences, score, val_data, sampling,
-                                                 config.data.val_batch_size, config.trainer.seed,
-                                                 f"validation ({name})"):
-        scores.extend(chunk_scores)
-        sources.extend(rows.non_tensor_batch["data_source"].tolist())
-        if cost is not None:
-            costs.extend(cost.compute_cost(rows).sum(-1).tolist())
-    return scores, sources
-
-
-def _summarise(name: str, scores: list[float], sources: list[str]) -> dict[str, float]:
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for source, score in zip(sources, scores):
-        by_source[source].append(score)
-    metrics = {name: float(np.mean(scores))}
-    metrics.update({f"{name}/{src}": float(np.mean(v)) for src, v in by_source.items()})
-    return metrics
+__all__ = ["GREEDY", "PROMPT_KEYS", "generate_and_score", "validate"]  # the first three: their former home
 
 
 def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, cost: Any = None) -> dict[str, float]:
     """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source; with
     ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``."""
-    costs: list[float] = []
-    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY, cost, costs))
-    if cost is not None:
-        metrics["val/cost"] = float(np.mean(costs))
+    passes, labels = {"val/score": GREEDY}, {"val/score": "greedy"}  # metric -> sampling, progress label
     kw = config.actor_rollout_ref.rollout.val_kwargs
     if kw.do_sample:
-        sampling = {"do_sample": True, "temperature": kw.temperature, "top_p": kw.top_p, "top_k": kw.top_k,
-                    "n": kw.n}
-        metrics.update(_summarise(f"val/mean@{kw.n}", *_scores(config, actor, reward, val_data, sampling)))
+        passes[f"val/mean@{kw.n}"] = {"do_sample": True, "temperature": kw.temperature, "top_p": kw.top_p,
+                                      "top_k": kw.top_k, "n": kw.n}
+        labels[f"val/mean@{kw.n}"] = f"mean@{kw.n}"
+    costs: list[float] = []
+
+    def score(rows: DataProto) -> list[float]:
+        return reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist()
+
+    def cost_of_greedy(name: str, rows: DataProto, scores: list[float]) -> None:
+        if name == "val/score":
+            costs.extend(cost.compute_cost(rows).sum(-1).tolist())
+
+    results = score_passes(actor.generate_sequences, score, val_data, passes, config.data.val_batch_size,
+                           config.trainer.seed, lambda name: f"validation ({labels[name]})",
+                           cost_of_greedy if cost is not None else None)
+    metrics: dict[str, float] = {}
+    for name, (scores, sources) in results.items():
+        metrics.update(summarise_scores(name, scores, sources))
+    if cost is not None:
+        metrics["val/cost"] = float(np.mean(costs))
     return metrics

@@ -44,7 +44,7 @@ from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokeniz
 from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
-from hybridflow.rollout import get_rollout_class
+from hybridflow.rollout import get_rollout_class, uses_hybrid_engine
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.ppo_actor import PPOActor
 
@@ -154,7 +154,7 @@ class ActorRolloutRefWorker(Worker):
         rollout_cls = get_rollout_class(cfg.rollout.name)
         rollout_module = None
         # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
-        use_engine = cfg.rollout.name == "hf" and not self._lora
+        use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora
         if rollout_cls.needs_module and not use_engine:
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             if self._lora and cfg.rollout.lora_sync == "adapter":  # base + adapters, refreshed by A and B only
@@ -225,7 +225,8 @@ class ActorRolloutRefWorker(Worker):
             module = self.engine.switch_to_generation()
             if self.rollout is None:
                 rollout_cfg, eos, pad = self._hf_rollout_args
-                self.rollout = get_rollout_class("hf")(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
+                backend = get_rollout_class(self.config.actor_rollout_ref.rollout.name)
+                self.rollout = backend(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
             return
         if self._rollout_asleep:
             self.rollout.wake()

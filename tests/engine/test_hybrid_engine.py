@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import build_mesh, iter_full_state, parallelize_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
@@ -44,10 +45,9 @@ CASES = {2: [("llama", 2, 1, 1, False), ("llama", 2, 1, 2, False), ("llama", 1, 
 
 
 def _model(arch: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    kw = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-              num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=64)
-    model = LlamaForCausalLM(LlamaConfig(**kw)) if arch == "llama" else Qwen2ForCausalLM(Qwen2Config(**kw))
+    model = tiny_model({"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM}[arch], seed=0, vocab_size=V,
+                       num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                       max_position_embeddings=64)
     if arch == "qwen2":  # non-zero biases, so a wrongly split bias shows
         with torch.no_grad():
             for name, p in model.named_parameters():

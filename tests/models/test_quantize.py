@@ -14,6 +14,7 @@ import torch
 import transformers
 from torch import nn
 
+from helpers.models import tiny_model as helper_model
 from hybridflow.algorithms import logprobs_from_logits
 from hybridflow.models.quantize import Int8Linear, load_weights_quantized, quantize_linear_layers
 
@@ -25,11 +26,8 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 def tiny_llama(seed: int = 0, tie: bool = True) -> transformers.LlamaForCausalLM:
     """2-layer Llama; initializer_range 0.1 makes the logits O(1) (std ~0.8) instead of near-uniform."""
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                                      tie_word_embeddings=tie, initializer_range=0.1)
-    return transformers.LlamaForCausalLM(config).float().eval()
+    return helper_model(seed=seed, eval=True, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                        max_position_embeddings=64, tie_word_embeddings=tie, initializer_range=0.1)
 
 
 def random_ids(seed: int = 0) -> torch.Tensor:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 
+from helpers.models import tiny_model as helper_model
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import HFRollout, RolloutAsleepError, get_rollout_class
 
@@ -40,13 +41,9 @@ RESPONSE_LENGTH = 8
 
 
 def tiny_model(seed: int = 0) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=128, tie_word_embeddings=True,
-        initializer_range=0.2,  # the default 0.02 makes greedy repeat the last prompt token forever
-    )
-    return transformers.LlamaForCausalLM(config).float().eval()
+    # initializer_range: the default 0.02 makes greedy repeat the last prompt token forever
+    return helper_model(seed=seed, eval=True, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, head_dim=32,
+                        max_position_embeddings=128, tie_word_embeddings=True, initializer_range=0.2)
 
 
 def rollout_config(**overrides) -> SimpleNamespace:

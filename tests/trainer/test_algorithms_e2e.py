@@ -10,8 +10,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaForSequenceClassification
 
+from helpers.models import tiny_model
 from hybridflow.algorithms import compute_remax_outcome_advantage, register_adv_est
 from hybridflow.config import load_config
 from hybridflow.models.builtin import resolve_model_path
@@ -45,10 +46,8 @@ def score_model(tmp_path_factory):
     """A tiny random LlamaForSequenceClassification with the actor's tokenizer; scores of order 1."""
     path = tmp_path_factory.mktemp("score_model")
     tokenizer = load_tokenizer("builtin:tiny-arith")
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(LlamaConfig(
-        vocab_size=512, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id))
+    model = tiny_model(LlamaForSequenceClassification, seed=0, vocab_size=512, hidden_size=16, intermediate_size=32,
+                       num_hidden_layers=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         model.score.weight.mul_(5.0)
     model.save_pretrained(path)

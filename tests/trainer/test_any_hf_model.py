@@ -10,10 +10,10 @@ import json
 import string
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+from helpers.models import tiny_model
 from hybridflow.config import load_config
 from hybridflow.data.preprocess import convert
 from hybridflow.models.hf import get_eos_token_ids, load_tokenizer
@@ -39,13 +39,9 @@ def save_tiny_gqa_llama(path):
                                         unk_token="<unk>", additional_special_tokens=["<|end|>"])
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=None, max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
+    tiny_model(seed=0, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+               pad_token_id=None, max_position_embeddings=512).save_pretrained(path)
     GenerationConfig(bos_token_id=1, eos_token_id=[2, 3]).save_pretrained(path)
     return tokenizer
 

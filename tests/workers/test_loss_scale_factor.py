@@ -4,8 +4,9 @@ does not depend on how wide the batch happens to be padded; the logged loss is w
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers.models import tiny_model
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.config.schema import ActorConfig
 from hybridflow.protocol import DataProto
@@ -17,9 +18,7 @@ ADV = torch.tensor([1.0, -0.5, 2.0, 1.0])
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    return tiny_model(seed=0, vocab_size=V, num_hidden_layers=1, tie_word_embeddings=True)
 
 
 def _batch(width: int) -> DataProto:

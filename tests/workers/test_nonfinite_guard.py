@@ -3,8 +3,8 @@
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
@@ -12,9 +12,7 @@ from hybridflow.workers.ppo_actor import PPOActor
 
 
 def _actor(policy):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = tiny_model(seed=0, vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1)
     cfg = OmegaConf.structured(ActorConfig)
     cfg.ppo_micro_batch_size_per_gpu = 2
     return PPOActor(model, torch.optim.AdamW(model.parameters(), lr=1e-2), cfg, SamplingSpec(), nonfinite_grad=policy)

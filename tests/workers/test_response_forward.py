@@ -2,8 +2,8 @@
 response); the outputs at every attended response position equal those of the uncut forward."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers.models import tiny_model
 from hybridflow.protocol import DataProto
 from hybridflow.training.micro import response_forward
 
@@ -27,9 +27,7 @@ def _uncut(model, data, R):
 
 
 def test_cut_forward_equals_the_full_forward_on_attended_positions():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = tiny_model(seed=0, eval=True, vocab_size=50, num_attention_heads=4, num_key_value_heads=2)
     # prompts of 3-5 of 7 slots (2 common left-pad columns), responses of 2-4 of 6 slots (2 unused at the end)
     data, response_mask = _batch(prompt_lens=[5, 3, 4], response_lens=[2, 4, 3])
     with torch.no_grad():

@@ -2,17 +2,16 @@
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
-                          LlamaForTokenClassification)
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification
 
+from helpers.models import tiny_config
 from hybridflow.workers.rm_worker import last_token_scores, last_valid_index, load_score_model
 
 EOS = PAD = 2  # the pad token is the eos token
 
 
 def _config(**kw):
-    return LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=EOS, pad_token_id=PAD, **kw)
+    return tiny_config(vocab_size=32, hidden_size=16, intermediate_size=32, eos_token_id=EOS, pad_token_id=PAD, **kw)
 
 
 def test_last_valid_index_from_the_mask_only():

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
 from hybridflow.algorithms.sampling import SamplingSpec
@@ -29,10 +30,7 @@ B, P, R, V = 8, 3, 5, 32
 
 
 def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    return LlamaForCausalLM(cfg)
+    return tiny_model(seed=0, vocab_size=V, tie_word_embeddings=True)
 
 
 # rows 1 and 5 fill all R slots; row 1 was cut by the length limit (truncated), row 5 ended with an eos there

@@ -5,7 +5,8 @@ dim 32, tied embeddings, fp32, vocab 512) with a 494-token byte-level BPE tokeni
 the built-in arithmetic task (``hybridflow.data.builtin_task``) so that greedy decoding usually
 takes a wrong shortcut while sampling is often right: the starting point of the quickstart RL run.
 Rebuild it with
-``python -m hybridflow.models.builtin.build_tiny_arith --out hybridflow/assets/tiny-arith``.
+``python scripts/build_tiny_arith.py --out hybridflow/assets/tiny-arith`` and check it with
+``python scripts/check_tiny_arith.py`` (repository scripts; the package ships the asset only).
 """
 
 from __future__ import annotations

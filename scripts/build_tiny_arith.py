@@ -2,7 +2,9 @@
 
 Usage::
 
-    python -m hybridflow.models.builtin.build_tiny_arith --out hybridflow/assets/tiny-arith [--steps N]
+    python scripts/build_tiny_arith.py --out hybridflow/assets/tiny-arith [--steps N]
+
+A repository script, not part of the installed package (the package ships the built model as an asset).
 
 Steps (all seeded):
 
