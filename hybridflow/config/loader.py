@@ -33,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems,
                                       driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
                                       reward_fn_problems, score_model_problems, strategy_problems, vllm_problems)
+from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
 
@@ -195,6 +196,8 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         except OmegaConfBaseException as exc:
             problems.append(f"{path}: {str(exc).splitlines()[0]}")
             bad_paths.add(path)
+    if not problems:  # the layouts section decides the tp keys the semantic checks read
+        problems.extend(apply_layouts(cfg, functools.partial(_get, cfg)))
     problems.extend(_semantic_problems(cfg, bad_paths))
     if problems:
         raise ConfigError(problems)
