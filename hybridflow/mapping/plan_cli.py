@@ -237,7 +237,8 @@ def format_result(result: SearchResult, searcher: MappingSearch) -> str:
            "driver: " + ("one worker group at a time (stage = sum over sets)" if searcher.params.sequential_driver
                          else "sets overlap (stage = slowest set; --overlap-sets)"),
            f"searched {result.placements} placements, {result.allocations} allocations "
-           f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s", ""]
+           f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s"]
+    out += [f"left out ({e['count']} {e['what']}s): {e['reason']}" for e in result.excluded] + [""]
     if result.best is None:
         return "\n".join(out + ["no feasible plan"])
     out += [f"best plan: {result.best.describe()}", format_plan(result.best), ""]

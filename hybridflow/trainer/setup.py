@@ -13,6 +13,7 @@ import torch
 
 from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePool
 from hybridflow.config import need_critic
+from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
@@ -253,6 +254,7 @@ def worker_groups(config, total_steps: int) -> Iterator[dict[str, RayWorkerGroup
     and yield ``{role: group}``. On exit (also on error) the pools are removed, which ends their actors, so a
     long-lived Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
+    log_layouts(config)  # (dp, tp, pp) per role, marking the planned ones (the `layouts` section)
     use_gpu = _use_gpu(config.trainer.device)
     roles = worker_roles(config)
     sharing = {name: sum(mapping[r] == name for r in roles) for name in pools_spec}
