@@ -125,7 +125,8 @@ class MappingSearch:
             unrestricted (the paper's system); ``hybridflow plan`` passes the registered engine's.
 
     Raises:
-        SpecError: a role of the algorithm is missing from ``models``, or there is no actor model.
+        SpecError: a role of the algorithm is missing from ``models``, there is no actor model, or a sequence
+            (prompt + response) is longer than a model's ``max_positions``.
     """
 
     def __init__(self, models: dict[str, ModelSpec | None], workload: Workload, cluster: ClusterSpec,
@@ -137,6 +138,12 @@ class MappingSearch:
                             f"missing {missing} (use None for a rule-based reward)")
         if models.get("actor") is None:
             raise SpecError("the actor needs a model")
+        tokens = workload.prompt_len + workload.response_len
+        short = sorted({f"{r} {m.name} ({m.max_positions})" for r, m in models.items()
+                        if m is not None and m.max_positions is not None and m.max_positions < tokens})
+        if short:
+            raise SpecError(f"prompt + response = {tokens} tokens exceed the positions of {', '.join(short)}; "
+                            "use --prompt-len / --response-len that fit")
         self.models = {r: (m.as_value_model() if r in VALUE_ROLES else m)
                        for r, m in models.items() if m is not None and r in workload.roles}
         self.roles = tuple(r for r in workload.roles if r in self.models)

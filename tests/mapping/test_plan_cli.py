@@ -33,7 +33,7 @@ def test_json_output(capsys):
 
 def test_overlap_sets_and_shared_cores(capsys):
     args = ["plan", "--cluster", "1x4:cpu@2", "--actor", "tiny-arith", "--reward", "rule", "--batch", "32",
-            "--forward-micro-batch", "16", "--json"]
+            "--prompt-len", "64", "--response-len", "32", "--forward-micro-batch", "16", "--json"]
     assert main(args) == 0
     seq = json.loads(capsys.readouterr().out)
     assert seq["sequential_driver"] is True and seq["cluster"] == "1x4:cpu@2"
@@ -54,6 +54,10 @@ def test_table_output(capsys):
     (["--cluster", "2x8:V100", "--actor", "7B"], "unknown device 'V100'"),
     (["--cluster", "2x8:H100", "--actor", "8B"], "not a preset"),
     (["--cluster", "2x8:H100", "--actor", "7B", "--batch", "0"], "batch=0"),
+    # the shipped model has 256 positions (its config.json): 1024 + 1024 tokens cannot be trained
+    (["--cluster", "1x4:cpu@2", "--actor", "builtin:tiny-arith"], "prompt + response = 2048 tokens exceed the "
+                                                                   "positions of actor builtin:tiny-arith (256)"),
+    (["--cluster", "2x8:H100", "--actor", "7B", "--prompt-len", "4000"], "exceed the positions of actor 7B (4096)"),
 ])
 def test_bad_arguments_exit_2(capsys, args, message):
     assert main(["plan", *args]) == 2
