@@ -2,12 +2,14 @@
 
     hybridflow plan --cluster 16x8:A100-80G --algorithm ppo --actor 7B [--critic 13B --reward rule ...]
                     [--batch 1024 --prompt-len 1024 --response-len 1024 --ppo-epochs 1 --top-k 5]
-                    [--cost-preset cpu|a100-paper] [--explain] [--json] [--emit-config FILE]
+                    [--cost-preset cpu|a100-paper] [--engine fsdp2|unrestricted] [--explain] [--json]
+                    [--emit-config FILE]
 
 Prints the best plan as tables (stage times, per-role layouts and times, memory per set), the baselines and
 the top-k; ``--json`` prints one JSON object instead; ``--emit-config FILE`` writes the YAML snippet that
-``hybridflow train`` accepts (see ``hybridflow.mapping.emit``). Exit status: 0 a plan was found, 1 no plan
-fits, 2 bad arguments (unknown preset, malformed cluster, ...).
+``hybridflow train`` runs (see ``hybridflow.mapping.emit``). The search covers only what the engine (``--engine``,
+default fsdp2: ``hybridflow.mapping.abilities``) runs; what it left out is listed with the reason. Exit status: 0 a
+plan was found, 1 no plan fits, 2 bad arguments (unknown preset, malformed cluster, ...).
 """
 
 from __future__ import annotations
