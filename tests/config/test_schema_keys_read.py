@@ -33,8 +33,8 @@ EXEMPT = {
     # checked at load to be fsdp2, the only training engine; engines chosen by strategy come with the
     # training-engine issue (until then every other value is rejected, see test_strategy_rejects_others)
     "actor_rollout_ref.actor.strategy",
-    # written by `hybridflow plan`; documented in the schema as informational, not yet applied by the workers
-    # (the training-engine issue); the loader only type-checks them
+    # read by name in hybridflow/config/layouts.py (get(f"layouts.{role}") for each role of PHASES), applied at load
+    # (tests/config/test_layouts_section.py)
     "layouts.actor", "layouts.critic", "layouts.reference", "layouts.reward",
     # read by name in hybridflow/algorithms/advantage.py (getattr(config, pname) for each estimator parameter)
     "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",
