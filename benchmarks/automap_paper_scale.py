@@ -9,7 +9,8 @@ chosen placement: ``hybridflow.mapping.presets.KNOBS``). Nothing is tuned per ca
 Workload (the paper's §8.1 as this project reads it): 1024 prompts, 1024 prompt + 1024 response tokens, one PPO
 epoch with 8 updates (mini-batches of 128 prompts), micro-batches of 1 sequence. Actor, critic, reference and
 reward are the same Llama size (the critic and reward with a scalar head). Training may use pp x tp x dp (the paper
-trains with Megatron-LM); generation uses tp x dp only (vLLM, as in the paper).
+trains with Megatron-LM; the search runs with the ``unrestricted`` abilities, not hybridflow's fsdp2 engine);
+generation uses tp x dp only (vLLM, as in the paper).
 
 Prints ONE JSON object (every number, the two trend checks); ``--table``: the Markdown table and the trend
 checks instead (the README shows that output).
@@ -27,6 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from hybridflow.mapping.abilities import UNRESTRICTED
 from hybridflow.mapping.cost import CostParams
 from hybridflow.mapping.plans import Plan
 from hybridflow.mapping.presets import get_cost_preset
@@ -67,7 +69,7 @@ def run_case(size: str, gpus: int, params: CostParams, with_sensitivity: bool) -
     cluster = ClusterSpec(gpus // 8, 8, get_device("A100-80G"))
 
     def build(p: CostParams, c: ClusterSpec) -> MappingSearch:
-        return MappingSearch({r: model for r in ROLES}, WORKLOAD, c, p, SPACE)
+        return MappingSearch({r: model for r in ROLES}, WORKLOAD, c, p, SPACE, UNRESTRICTED)
 
     start = time.perf_counter()
     result = build(params, cluster).run(top_k=3)

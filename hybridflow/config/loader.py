@@ -36,6 +36,7 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
                                       reward_fn_problems, rollout_package_problems, score_model_problems,
                                       strategy_problems)
+from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
 
@@ -200,6 +201,8 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
             bad_paths.add(path)
     if "trainer.plugins" not in bad_paths:
         _import_plugins(cfg)  # before the checks: a plugin may register the names they look up
+    if not problems:  # the layouts section decides the tp keys the semantic checks read
+        problems.extend(apply_layouts(cfg, functools.partial(_get, cfg)))
     problems.extend(_semantic_problems(cfg, bad_paths))
     if problems:
         raise ConfigError(problems)

@@ -291,8 +291,9 @@ class ResourcePoolConfig:
 @dataclass
 class ParallelLayoutConfig:
     # Parallel sizes chosen by `hybridflow plan`, per role: phase -> [pp, tp, dp] (actor: train, generate;
-    # critic: train; reference, reward: infer). Informational until the workers read parallel layouts: they run
-    # FSDP over all ranks of their pool. Empty means that default.
+    # critic: train; reference, reward: infer), applied at load (hybridflow/config/layouts.py): pp*tp*dp must be
+    # the role's pool ranks, the actor's tp set actor/rollout.tensor_model_parallel_size, the engine's abilities
+    # bound them (fsdp2: pp=1, tp=1 but for the actor; the reference on the actor's train layout). Empty: dp only.
     actor: dict[str, list[int]] = field(default_factory=dict)
     critic: dict[str, list[int]] = field(default_factory=dict)
     reference: dict[str, list[int]] = field(default_factory=dict)

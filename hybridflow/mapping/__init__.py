@@ -7,6 +7,7 @@
 - ``plans``: plans, set estimates and search results; placements (set partitions, baselines, packing).
 - ``presets``: named cost-parameter sets (``cpu``, ``a100-paper``) with sources and plausible ranges;
   ``sensitivity``: which parameter, within its range, changes a recommended placement.
+- ``abilities``: what ``hybridflow train`` can run (per engine); the search leaves the rest out, with the reason.
 - ``emit``: a plan as a config snippet for ``hybridflow train``; ``plan_cli``: ``hybridflow plan``.
 
 Pure Python: nothing here imports torch or Ray.

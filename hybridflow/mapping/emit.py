@@ -1,10 +1,12 @@
-"""Turn a plan into a config snippet that ``hybridflow train RECIPE`` accepts (merge it into a recipe, or pass
-it as the recipe's delta): the cluster shape, the workload the plan was made for, the resource pools, the
-role-to-pool mapping and the chosen layouts.
+"""Turn a plan into a config that ``hybridflow train`` runs as it is (or merge it into a recipe): the cluster
+shape, the workload the plan was made for, the resource pools, the role-to-pool mapping and the chosen layouts
+(``layouts``, applied at load by ``hybridflow.config.layouts``).
 
-hybridflow runs the reference policy inside the actor's process (``ActorRolloutRefWorker``), so the snippet
-maps the reference with the actor whatever the plan says (a comment notes a plan that put it elsewhere); roles
-the driver of the planned algorithm has no worker for (the driver registry's roles) are reported in comments only.
+Only plans that ``train`` can run are emitted: every layout and placement must be within the registered engine's
+abilities (``hybridflow.mapping.abilities``; ``hybridflow plan`` searches within them). Plan roles map to the
+config's worker roles: actor -> ``actor`` (its process also runs the reference), critic -> ``critic``, reward
+model -> ``reward_model``, cost -> ``cost_model``, cost critic -> ``cost_critic``; every pool holds at least one of
+them, so every device the plan counts is used.
 """
 
 from __future__ import annotations
@@ -14,86 +16,76 @@ from pathlib import Path
 
 import yaml
 
+from hybridflow.mapping.abilities import ENGINE_ABILITIES, Abilities
 from hybridflow.mapping.search import Plan, pack_sets
-from hybridflow.mapping.specs import ClusterSpec, SpecError, Workload
+from hybridflow.mapping.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, SpecError, Workload
 
-__all__ = ["plan_to_config", "plan_to_yaml", "write_config"]
+__all__ = ["plan_problems", "plan_to_config", "plan_to_yaml", "write_config"]
 
 #: algorithm.adv_estimator of the algorithms whose dataflow the plan assumed (Safe-RLHF has its own driver)
 ADV_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
+#: plan role -> the config's worker role (resource_pool.mapping key); the reference runs in the actor's process
+CONFIG_ROLES = {"actor": "actor", "critic": "critic", "reward": "reward_model", "cost": "cost_model",
+                "cost_critic": "cost_critic"}
+#: layouts written per plan role: the phases the config's ``layouts`` section holds
+LAYOUT_PHASES = {"actor": ("train", "generate"), "critic": ("train",), "reference": ("infer",), "reward": ("infer",)}
+#: the model preset shipped with hybridflow, by its mapper name
+SHIPPED = {"tiny-arith": "builtin:tiny-arith"}
 
 
 def _pool_name(roles: tuple[str, ...]) -> str:
     return "_".join(roles)
 
 
-def _map_driver_roles(plan: Plan, roles: list[str], algorithm: str, mapping: dict[str, str],
-                      notes: list[str]) -> str | None:
-    """Map the planned cost model and cost critic to their pools when the driver that runs ``algorithm`` (the
-    driver registry's ``planned_as``) has those roles, else note them; returns that driver (None: none)."""
-    from hybridflow.trainer.driver import driver_for_plan, get_driver
-
-    driver = driver_for_plan(algorithm)
-    driver_roles = get_driver(driver).ROLES if driver else ()
-    for role, config_role in (("cost", "cost_model"), ("cost_critic", "cost_critic")):
-        if role in roles and config_role in driver_roles:
-            mapping[config_role] = _pool_name(plan.set_of(role).roles)
-        elif role in roles:
-            notes.append(f"{role}: planned on pool {_pool_name(plan.set_of(role).roles)}; no driver for "
-                         f"{algorithm} has a {config_role} worker, so it is not mapped")
-    return driver
-
-
-def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tuple[dict, list[str]]:
-    """The config delta of ``plan`` and the comment lines that explain what it could not express.
-
-    Raises:
-        SpecError: the workload's batch does not split into ``ppo_updates`` mini-batches of whole prompts, or
-            the sets do not pack onto the cluster's nodes.
-    """
-    if workload.batch % workload.ppo_updates:
-        raise SpecError(f"batch {workload.batch} prompts do not split into {workload.ppo_updates} mini-batches "
-                        "(ppo_updates) of whole prompts, which actor.ppo_mini_batch_size needs")
-    pools_per_set = pack_sets(plan.allocation, cluster)
-    if pools_per_set is None:
-        raise SpecError(f"sets of {list(plan.allocation)} devices do not pack onto {cluster}")
-    notes: list[str] = []
-    roles = [r for s in plan.placement for r in s]
-    actor_set = plan.set_of("actor")
-    mapping = {"actor": _pool_name(actor_set.roles)}
-    if "critic" in roles:
-        mapping["critic"] = _pool_name(plan.set_of("critic").roles)
-    else:  # no critic worker runs, but the driver checks that every config role names a pool
-        mapping["critic"] = mapping["actor"]
-    if "reward" in roles:
-        mapping["reward"] = _pool_name(plan.set_of("reward").roles)
-    else:
-        mapping["reward"] = mapping["actor"]
-        notes.append("reward: rule-based (no model), so it runs on the actor's pool")
-    if "reference" in roles and "reference" not in actor_set.roles:
-        notes.append(f"reference: planned on pool {_pool_name(plan.set_of('reference').roles)}, but hybridflow runs "
-                     "it inside the actor's process (ActorRolloutRefWorker), so it runs on the actor's pool")
-    driver = _map_driver_roles(plan, roles, workload.algorithm, mapping, notes)
-    used = set(mapping.values())
-    pools = {}
-    for est, per_node in zip(plan.sets, pools_per_set):
-        name = _pool_name(est.roles)
-        if name in used:
-            pools[name] = per_node
-        else:
-            notes.append(f"pool {name} ({est.devices} devices) holds no role the config can place; left out")
-
-    layouts: dict[str, dict[str, list[int]]] = {}
+def plan_problems(plan: Plan, abilities: Abilities) -> list[str]:
+    """Why ``plan`` cannot run on a system with ``abilities`` (empty: it can): a placement or a layout beyond them,
+    or a reference whose layout differs from the actor's training layout while it runs in the actor's process."""
+    problems = []
+    reason = abilities.placement_reason(plan.placement)
+    if reason:
+        problems.append(reason)
     for est in plan.sets:
         for ph in est.phases:
-            if ph.kind in ("train", "generate") or (ph.kind == "infer" and ph.role in ("reference", "reward")):
-                layouts.setdefault(ph.role, {})[ph.kind] = ph.layout.as_list()
-    layouts = {r: v for r, v in layouts.items() if r in ("actor", "critic", "reference", "reward")}
-    if "reference" in layouts and "reference" not in actor_set.roles:
-        del layouts["reference"]  # planned for other devices than the actor's pool it will run on
+            reason = abilities.layout_reason(ph.role, ph.layout, ph.kind in ("generate", "reshard"))
+            if reason:
+                problems.append(f"{ph.role} {ph.kind} {ph.layout}: {reason}")
+    if abilities.reference_with_actor and "reference" in plan.set_of("actor").roles:
+        train = next(m.layout for m in plan.set_of("actor").memory if m.role == "actor")
+        ref = next(m.layout for m in plan.set_of("reference").memory if m.role == "reference")
+        if ref != train:
+            problems.append(f"reference {ref} differs from the actor's training layout {train}, on which it runs")
+    return problems
 
-    world = cluster.n_devices
-    mini = workload.batch // workload.ppo_updates
+
+def _pools_and_mapping(plan: Plan, cluster: ClusterSpec) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """``resource_pool.pools`` (one per set) and ``resource_pool.mapping`` (config role -> pool)."""
+    per_set = pack_sets(plan.allocation, cluster)
+    if per_set is None:
+        raise SpecError(f"sets of {list(plan.allocation)} devices do not pack onto {cluster}")
+    pools = {_pool_name(est.roles): per_node for est, per_node in zip(plan.sets, per_set)}
+    actor_pool = _pool_name(plan.set_of("actor").roles)
+    # the rule reward runs with the actor; the driver checks that every config role names a pool
+    mapping = {"actor": actor_pool, "critic": actor_pool, "reward": actor_pool}
+    for est in plan.sets:
+        for role in est.roles:
+            if role in CONFIG_ROLES:
+                mapping[CONFIG_ROLES[role]] = _pool_name(est.roles)
+    return pools, mapping
+
+
+def _layouts(plan: Plan) -> dict[str, dict[str, list[int]]]:
+    """``layouts``: [pp, tp, dp] per role and phase (``LAYOUT_PHASES``)."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for est in plan.sets:
+        for ph in est.phases:
+            if ph.kind in LAYOUT_PHASES.get(ph.role, ()):
+                out.setdefault(ph.role, {})[ph.kind] = ph.layout.as_list()
+    return out
+
+
+def _micro_batch(workload: Workload, cluster: ClusterSpec, pools: dict, mapping: dict, notes: list[str]) -> int:
+    """The per-rank micro-batch: the workload's, cut to divide a mini-batch's share of each rank (notes otherwise)."""
+    world, mini = cluster.n_devices, workload.batch // workload.ppo_updates
     per_rank = mini * workload.n / world
     micro = workload.micro_batch
     if per_rank == int(per_rank):
@@ -101,32 +93,84 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload) -> tupl
     else:
         notes.append(f"ppo mini-batch of {mini * workload.n} sequences does not split over {world} ranks: "
                      "the config loader will ask for another batch size")
-    for role in ("actor", "critic") if "critic" in roles else ("actor",):
-        pool_ranks = sum(pools.get(mapping[role], [])) or world
-        if (mini * workload.n) % pool_ranks:
+    for role in ("actor", "critic"):
+        ranks = sum(pools[mapping[role]])
+        if (mini * workload.n) % ranks:
             notes.append(f"{role}: a mini-batch of {mini * workload.n} sequences does not split evenly over the "
-                         f"{pool_ranks} ranks of its pool")
-    has_critic = "critic" in roles
+                         f"{ranks} ranks of its pool")
+    return micro
+
+
+def _model_keys(plan: Plan, models: dict[str, ModelSpec] | None, config: dict, notes: list[str]) -> None:
+    """Model paths the plan knows (a directory, or the shipped preset) and the reward/cost model switches."""
+    def path(role: str) -> str | None:
+        name = models[role].name if models and role in models else None
+        return SHIPPED.get(name) if name in MODEL_PRESETS else name
+
+    roles = {r for s in plan.placement for r in s}
+    if path("actor"):
+        config["actor_rollout_ref"]["model"] = {"path": path("actor")}
+    if "critic" in roles and path("critic") and path("critic") != path("actor"):
+        config["critic"]["model"] = {"path": path("critic")}
+    for role, key in (("reward", "reward_model"), ("cost", "cost_model")):
+        if role in roles:
+            config[key] = {"enable": True, **({"model": {"path": path(role)}} if path(role) else {})}
+            if not path(role):
+                notes.append(f"{key}: planned for preset {models[role].name if models else '?'}; set "
+                             f"{key}.model.path to its checkpoint")
+
+
+def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
+                   models: dict[str, ModelSpec] | None = None,
+                   abilities: Abilities = ENGINE_ABILITIES["fsdp2"]) -> tuple[dict, list[str]]:
+    """The config of ``plan`` and the comment lines that explain what it could not express. ``models``: the
+    plan's models by role (their paths are written when known).
+
+    Raises:
+        SpecError: the plan is beyond ``abilities`` (``plan_problems``), the workload's batch does not split into
+            ``ppo_updates`` mini-batches of whole prompts, or the sets do not pack onto the cluster's nodes.
+    """
+    problems = plan_problems(plan, abilities)
+    if problems:
+        raise SpecError(f"the plan cannot run on engine {abilities.name}: " + "; ".join(problems))
+    if workload.batch % workload.ppo_updates:
+        raise SpecError(f"batch {workload.batch} prompts do not split into {workload.ppo_updates} mini-batches "
+                        "(ppo_updates) of whole prompts, which actor.ppo_mini_batch_size needs")
+    notes: list[str] = []
+    pools, mapping = _pools_and_mapping(plan, cluster)
+    roles = {r for s in plan.placement for r in s}
+    if "reward" not in roles:
+        notes.append("reward: rule-based (no model), so it runs on the actor's pool")
+    mini, micro = workload.batch // workload.ppo_updates, _micro_batch(workload, cluster, pools, mapping, notes)
+    update = {"ppo_epochs": workload.ppo_epochs, "ppo_mini_batch_size": mini, "ppo_micro_batch_size_per_gpu": micro}
     config = {
         "trainer": {"nnodes": cluster.nodes, "n_gpus_per_node": cluster.devices_per_node,
                     "device": "cpu" if cluster.device.name == "cpu" else "cuda"},
         "data": {"train_batch_size": workload.batch, "max_prompt_length": workload.prompt_len,
                  "max_response_length": workload.response_len},
-        "actor_rollout_ref": {"actor": {"ppo_epochs": workload.ppo_epochs, "ppo_mini_batch_size": mini,
-                                        "ppo_micro_batch_size_per_gpu": micro},
-                              "rollout": {"n": workload.n}},
-        "critic": ({"enable": True, "ppo_epochs": workload.ppo_epochs, "ppo_mini_batch_size": mini,
-                    "ppo_micro_batch_size_per_gpu": micro} if has_critic else {"enable": False}),
+        "actor_rollout_ref": {"actor": dict(update), "rollout": {"n": workload.n}},
+        "critic": {"enable": True, **update} if "critic" in roles else {"enable": False},
         "resource_pool": {"pools": pools, "mapping": mapping},
-        "layouts": layouts,
+        "layouts": _layouts(plan),
     }
-    if workload.algorithm in ADV_ESTIMATORS:
-        config["algorithm"] = {"adv_estimator": ADV_ESTIMATORS[workload.algorithm]}
-    else:
-        notes.append(f"algorithm: planned for {workload.algorithm}; choose its estimator yourself")
-    if driver is not None:
-        config.setdefault("algorithm", {})["driver"] = driver
+    _model_keys(plan, models, config, notes)
+    config["algorithm"] = _algorithm_keys(workload.algorithm, notes)
     return config, notes
+
+
+def _algorithm_keys(algorithm: str, notes: list[str]) -> dict[str, str]:
+    """``algorithm.driver`` (the driver registry's ``planned_as``) and ``adv_estimator`` of a planned algorithm."""
+    from hybridflow.trainer.driver import driver_for_plan  # the registry (imported lazily: no trainer at import)
+
+    keys = {}
+    driver = driver_for_plan(algorithm)
+    if driver is not None:
+        keys["driver"] = driver
+    if algorithm in ADV_ESTIMATORS:
+        keys["adv_estimator"] = ADV_ESTIMATORS[algorithm]
+    elif driver is None:
+        notes.append(f"algorithm: planned for {algorithm}; choose its driver and estimator yourself")
+    return keys
 
 
 class _Dumper(yaml.SafeDumper):
@@ -137,21 +181,23 @@ _Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("ta
                                                                               flow_style=True))
 
 
-def plan_to_yaml(plan: Plan, cluster: ClusterSpec, workload: Workload) -> str:
+def plan_to_yaml(plan: Plan, cluster: ClusterSpec, workload: Workload,
+                 models: dict[str, ModelSpec] | None = None) -> str:
     """``plan_to_config`` as YAML text led by comments (the plan, its estimate, and the notes)."""
-    config, notes = plan_to_config(plan, cluster, workload)
+    config, notes = plan_to_config(plan, cluster, workload, models)
     stages = ", ".join(f"{k} {v:.3g} s" for k, v in plan.stage_seconds.items())
     head = [f"hybridflow plan: {workload.algorithm} on {cluster} ({cluster.n_devices} devices)",
             f"placement: {plan.describe()}",
             f"estimated iteration: {plan.seconds:.4g} s ({stages})",
-            "layouts are [pp, tp, dp] per role and phase (informational until the workers read them)",
+            "layouts are [pp, tp, dp] per role and phase; train applies them (actor and rollout tp) and logs them",
             *notes]
     body = yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
     return "".join(f"# {line}\n" for line in head) + body
 
 
-def write_config(path: str | Path, plan: Plan, cluster: ClusterSpec, workload: Workload) -> str:
+def write_config(path: str | Path, plan: Plan, cluster: ClusterSpec, workload: Workload,
+                 models: dict[str, ModelSpec] | None = None) -> str:
     """Write ``plan_to_yaml`` to ``path`` and return the text."""
-    text = plan_to_yaml(plan, cluster, workload)
+    text = plan_to_yaml(plan, cluster, workload, models)
     Path(path).write_text(text)
     return text

@@ -2,12 +2,14 @@
 
     hybridflow plan --cluster 16x8:A100-80G --algorithm ppo --actor 7B [--critic 13B --reward rule ...]
                     [--batch 1024 --prompt-len 1024 --response-len 1024 --ppo-epochs 1 --top-k 5]
-                    [--cost-preset cpu|a100-paper] [--explain] [--json] [--emit-config FILE]
+                    [--cost-preset cpu|a100-paper] [--engine fsdp2|unrestricted] [--explain] [--json]
+                    [--emit-config FILE]
 
 Prints the best plan as tables (stage times, per-role layouts and times, memory per set), the baselines and
 the top-k; ``--json`` prints one JSON object instead; ``--emit-config FILE`` writes the YAML snippet that
-``hybridflow train`` accepts (see ``hybridflow.mapping.emit``). Exit status: 0 a plan was found, 1 no plan
-fits, 2 bad arguments (unknown preset, malformed cluster, ...).
+``hybridflow train`` runs (see ``hybridflow.mapping.emit``). The search covers only what the engine (``--engine``,
+default fsdp2: ``hybridflow.mapping.abilities``) runs; what it left out is listed with the reason. Exit status: 0 a
+plan was found, 1 no plan fits, 2 bad arguments (unknown preset, malformed cluster, ...).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import sys
 
+from hybridflow.mapping.abilities import ENGINE_ABILITIES, UNRESTRICTED, get_abilities
 from hybridflow.mapping.cost import CostParams
 from hybridflow.mapping.dataflow import STAGES
 from hybridflow.mapping.emit import write_config
@@ -80,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     space.add_argument("--max-gen-pp", type=int, default=None,
                        help="largest pipeline-parallel size of generation (1: tp x dp only, as hybridflow's rollouts "
                             "and vLLM generate; default: --max-pp)")
+    space.add_argument("--engine", choices=(*ENGINE_ABILITIES, UNRESTRICTED.name), default="fsdp2",
+                       help="training engine whose abilities bound the search (hybridflow/mapping/abilities.py; "
+                            "default fsdp2, what `hybridflow train` runs); unrestricted: any layout and placement, "
+                            "as the paper's system (cannot be emitted as a config)")
     space.add_argument("--unit", type=int, default=None, help="set sizes: divisors and multiples of this "
                                                               "(default: devices per node)")
     parser.add_argument("--top-k", type=int, default=5, help="plans to list")
@@ -111,7 +118,10 @@ def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     space = SearchSpace(args.max_tp, args.max_pp, args.unit, args.max_gen_pp)
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
-    return MappingSearch(_models(args, workload.roles), workload, cluster, params, space), workload
+    if args.emit_config and args.engine == UNRESTRICTED.name:
+        raise SpecError("--emit-config needs an engine `hybridflow train` runs (--engine fsdp2), not unrestricted")
+    abilities = get_abilities(args.engine)
+    return MappingSearch(_models(args, workload.roles), workload, cluster, params, space, abilities), workload
 
 
 def _params(args: argparse.Namespace) -> CostParams:
@@ -141,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"cluster": str(searcher.cluster), "devices": searcher.cluster.n_devices,
                           "sequential_driver": searcher.params.sequential_driver,
+                          "engine": searcher.abilities.name,
                           "workload": _workload_dict(workload),
                           "models": {r: m.name for r, m in searcher.models.items()}, **result.to_dict(),
                           **({"sensitivity": explained} if explained is not None else {})}))
@@ -155,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.emit_config:
         try:
-            write_config(args.emit_config, result.best, searcher.cluster, workload)
+            write_config(args.emit_config, result.best, searcher.cluster, workload, searcher.models)
         except (SpecError, OSError) as exc:
             print(f"error: cannot write {args.emit_config}: {exc}", file=sys.stderr)
             return 2
@@ -169,7 +180,7 @@ def _explain(searcher: MappingSearch, best: Plan) -> dict:
     models = {r: searcher.models.get(r) for r in searcher.workload.roles}
 
     def build(params: CostParams, cluster: ClusterSpec) -> MappingSearch:
-        return MappingSearch(models, searcher.workload, cluster, params, searcher.space)
+        return MappingSearch(models, searcher.workload, cluster, params, searcher.space, searcher.abilities)
 
     return sensitivity(build, searcher.params, searcher.cluster, best)
 
@@ -228,7 +239,8 @@ def format_result(result: SearchResult, searcher: MappingSearch) -> str:
            "driver: " + ("one worker group at a time (stage = sum over sets)" if searcher.params.sequential_driver
                          else "sets overlap (stage = slowest set; --overlap-sets)"),
            f"searched {result.placements} placements, {result.allocations} allocations "
-           f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s", ""]
+           f"({result.set_evaluations} set evaluations) in {result.seconds:.2f} s"]
+    out += [f"left out ({e['count']} {e['what']}s): {e['reason']}" for e in result.excluded] + [""]
     if result.best is None:
         return "\n".join(out + ["no feasible plan"])
     out += [f"best plan: {result.best.describe()}", format_plan(result.best), ""]

@@ -166,6 +166,7 @@ class SearchResult:
     allocations: int
     set_evaluations: int = 0
     infeasible_placements: list[Placement] = field(default_factory=list)
+    excluded: list[dict] = field(default_factory=list)  # what the abilities ruled out: reason, what, count, examples
 
     def to_dict(self) -> dict:
         return {
@@ -176,7 +177,8 @@ class SearchResult:
                           for k, p in self.baselines.items()},
             "search": {"seconds": round(self.seconds, 3), "placements": self.placements,
                        "allocations": self.allocations, "set_evaluations": self.set_evaluations,
-                       "infeasible_placements": [[list(r) for r in p] for p in self.infeasible_placements]},
+                       "infeasible_placements": [[list(r) for r in p] for p in self.infeasible_placements],
+                       "excluded": self.excluded},
         }
 
 

@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from hybridflow.mapping.abilities import UNRESTRICTED, Abilities
 from hybridflow.mapping.cost import (
     CostParams,
     GenerateEstimate,
@@ -119,24 +120,37 @@ class MappingSearch:
             of the workload's algorithm must be present. Value roles (critic, reward, cost, cost_critic) get a
             scalar head.
         workload, cluster, params, space: what to plan for and how.
+        abilities: what the training system can run (``hybridflow.mapping.abilities``); layouts and placements
+            beyond them are left out of the search and counted with their reason (``excluded``). Default:
+            unrestricted (the paper's system); ``hybridflow plan`` passes the registered engine's.
 
     Raises:
-        SpecError: a role of the algorithm is missing from ``models``, or there is no actor model.
+        SpecError: a role of the algorithm is missing from ``models``, there is no actor model, or a sequence
+            (prompt + response) is longer than a model's ``max_positions``.
     """
 
     def __init__(self, models: dict[str, ModelSpec | None], workload: Workload, cluster: ClusterSpec,
-                 params: CostParams | None = None, space: SearchSpace | None = None) -> None:
+                 params: CostParams | None = None, space: SearchSpace | None = None,
+                 abilities: Abilities | None = None) -> None:
         missing = [r for r in workload.roles if r not in models]
         if missing:
             raise SpecError(f"algorithm {workload.algorithm} needs models for roles {list(workload.roles)}; "
                             f"missing {missing} (use None for a rule-based reward)")
         if models.get("actor") is None:
             raise SpecError("the actor needs a model")
+        tokens = workload.prompt_len + workload.response_len
+        short = sorted({f"{r} {m.name} ({m.max_positions})" for r, m in models.items()
+                        if m is not None and m.max_positions is not None and m.max_positions < tokens})
+        if short:
+            raise SpecError(f"prompt + response = {tokens} tokens exceed the positions of {', '.join(short)}; "
+                            "use --prompt-len / --response-len that fit")
         self.models = {r: (m.as_value_model() if r in VALUE_ROLES else m)
                        for r, m in models.items() if m is not None and r in workload.roles}
         self.roles = tuple(r for r in workload.roles if r in self.models)
         self.workload, self.cluster = workload, cluster
         self.params, self.space = params or CostParams(), space or SearchSpace()
+        self.abilities = abilities or UNRESTRICTED
+        self.excluded: dict[str, dict] = {}  # reason -> {"what", "count", "examples"}
         self.usable = cluster.device.mem_bytes * self.params.mem_usable
         self.works = works(workload, set(self.models))
         self.sizes = set_sizes(cluster, self.space.unit)
@@ -177,8 +191,29 @@ class MappingSearch:
             for pp in divisors(n // tp):
                 if pp <= pp_cap and model.layers % pp == 0:
                     out.append(Layout(pp, tp, n // (tp * pp)))
-        self._layouts[(role, n)] = out
-        return out
+        self._layouts[(role, n)] = self._able(role, out, generate=False)
+        if role == "actor":
+            self._layouts[("actor:generate", n)] = self._able(role, out, generate=True)
+        return self._layouts[(role, n)]
+
+    def _able(self, role: str, layouts: list[Layout], generate: bool) -> list[Layout]:
+        """``layouts`` the abilities allow for ``role`` (its generation with ``generate``); the others are counted
+        in ``excluded`` under their reason."""
+        kept = []
+        for lay in layouts:
+            reason = self.abilities.layout_reason(role, lay, generate)
+            if reason is None:
+                kept.append(lay)
+            else:
+                phase = "generate" if generate else "train/infer"
+                self._exclude(reason, "layout", {"role": role, "phase": phase, "layout": lay.as_list()})
+        return kept
+
+    def _exclude(self, reason: str, what: str, example: dict) -> None:
+        entry = self.excluded.setdefault(reason, {"what": what, "count": 0, "examples": []})
+        entry["count"] += 1
+        if len(entry["examples"]) < 3:
+            entry["examples"].append(example)
 
     def _role_works(self, role: str) -> list[Work]:
         return [w for w in self.works if w.role == role]
@@ -230,7 +265,8 @@ class MappingSearch:
         if key not in self._gen_opts:
             model, dev = self.models["actor"], self.cluster.device
             shards, out = train.tp * train.pp, []
-            for g in self.layouts("actor", n):
+            self.layouts("actor", n)
+            for g in self._layouts[("actor:generate", n)]:
                 if self.space.max_gen_pp is not None and g.pp > self.space.max_gen_pp:
                     continue
                 gs = g.tp * g.pp
@@ -298,7 +334,8 @@ class MappingSearch:
         key = (roles, n)
         if key in self._sets:
             return self._sets[key]
-        lists = [self.role_candidates(r, n) for r in roles]
+        tied = self._reference_tied(roles)
+        lists = [self.role_candidates(r, n, prune=not (tied and r == "reference")) for r in roles]
         result = None
         if all(lists):
             result = self._best_combination(roles, n, lists)
@@ -309,8 +346,12 @@ class MappingSearch:
         """Branch and bound over the roles' candidates (the actor first), minimising the set's summed time under
         the memory limit; the actor's generation gets the memory the chosen states leave."""
         has_gen = "actor" in roles and bool(self._gen_works)
-        order = sorted(range(len(roles)), key=lambda i: roles[i] != "actor") if has_gen else list(range(len(roles)))
+        tied = self._reference_tied(roles)
+        first = has_gen or tied
+        order = sorted(range(len(roles)), key=lambda i: roles[i] != "actor") if first else list(range(len(roles)))
         ordered = [lists[i] for i in order]
+        ref_at = [roles[i] for i in order].index("reference") if tied else -1
+        ref_by_layout = {c.layout: c for c in ordered[ref_at]} if tied else {}
         rest_lb = [sum(lst[0].seconds for lst in ordered[i:]) for i in range(len(ordered))] + [0.0]
         rest_mem = [sum(min(c.memory.persistent for c in lst) for lst in ordered[i:]) for i in range(len(ordered))]
         rest_mem.append(0.0)
@@ -327,7 +368,10 @@ class MappingSearch:
                 if seconds + gen[0] < best[0]:
                     best[0], best[1] = seconds + gen[0], (tuple(chosen), gen)
                 return
-            for c in ordered[i]:  # fastest first
+            options = ordered[i]
+            if i == ref_at:  # in the actor's process, on the actor's training layout
+                options = [ref_by_layout[chosen[0].layout]] if chosen[0].layout in ref_by_layout else []
+            for c in options:  # fastest first
                 lb = gen_lb
                 if has_gen and i == 0:  # the actor: its generation with all the memory left by the others
                     found = self._generation(c.layout, n, self.usable - c.memory.persistent - rest_mem[1])
@@ -355,6 +399,17 @@ class MappingSearch:
         phases = tuple(gen_phases) + tuple(ph for c in picked for ph in c.phases)
         return SetEstimate(roles, n, phases, tuple(c.memory for c in picked), gen_bytes, self.usable)
 
+    def _reference_tied(self, roles: tuple[str, ...]) -> bool:
+        """The reference of ``roles`` must run on the actor's training layout (``Abilities.reference_with_actor``)."""
+        return self.abilities.reference_with_actor and "reference" in roles and "actor" in roles
+
+    def placement_reason(self, placement: Sequence[Sequence[str]]) -> str | None:
+        """Why the abilities rule ``placement`` out (counted in ``excluded``), or None."""
+        reason = self.abilities.placement_reason(placement)
+        if reason is not None:
+            self._exclude(reason, "placement", {"placement": [list(s) for s in placement]})
+        return reason
+
     def min_alloc(self, roles: tuple[str, ...]) -> int | None:
         """``get_min_alloc``: the smallest allowed size on which ``roles`` fit together, or None."""
         return next((n for n in self.sizes if self.set_estimate(roles, n) is not None), None)
@@ -362,7 +417,10 @@ class MappingSearch:
     # ------------------------------------------------------------------ allocations and d_cost
 
     def allocations(self, placement: Placement) -> Iterator[tuple[int, ...]]:
-        """``enum_alloc``: sizes per set that sum to the cluster, fit each set, and pack onto the nodes."""
+        """``enum_alloc``: sizes per set that sum to the cluster, fit each set, and pack onto the nodes (none for
+        a placement the abilities rule out)."""
+        if self.abilities.placement_reason(placement) is not None:
+            return
         mins = [self.min_alloc(s) for s in placement]
         if any(m is None for m in mins):
             return
@@ -395,6 +453,8 @@ class MappingSearch:
         roles = sorted(r for s in placement for r in s)
         if roles != sorted(self.roles):
             raise SpecError(f"placement {[list(s) for s in placement]} must hold each of {list(self.roles)} once")
+        if self.abilities.placement_reason(placement) is not None:
+            return None
         order = {r: i for i, r in enumerate(self.roles)}
         sets = []
         for s, n in zip(placement, allocation):
@@ -423,6 +483,8 @@ class MappingSearch:
         infeasible = []
         for placement in set_partitions(self.roles):
             n_placements += 1
+            if self.placement_reason(placement) is not None:
+                continue
             for alloc in self.allocations(placement):
                 n_allocs += 1
                 sets = [self._sets[(s, n)] for s, n in zip(placement, alloc)]  # cached by allocations()
@@ -444,8 +506,9 @@ class MappingSearch:
         elapsed = time.perf_counter() - start
         logger.info("searched %d placements, %d allocations, %d set evaluations in %.2f s", n_placements, n_allocs,
                     len(self._sets), elapsed)
+        excluded = [{"reason": k, **v} for k, v in self.excluded.items()]
         return SearchResult(top[0] if top else None, top, plans, baselines, elapsed, n_placements, n_allocs,
-                            len(self._sets), infeasible)
+                            len(self._sets), infeasible, excluded)
 
 
 def _pareto(cands: list[_Candidate]) -> list[_Candidate]:
@@ -460,6 +523,7 @@ def _pareto(cands: list[_Candidate]) -> list[_Candidate]:
 
 
 def search(models: dict[str, ModelSpec | None], workload: Workload, cluster: ClusterSpec,
-           params: CostParams | None = None, space: SearchSpace | None = None, top_k: int = 5) -> SearchResult:
+           params: CostParams | None = None, space: SearchSpace | None = None, top_k: int = 5,
+           abilities: Abilities | None = None) -> SearchResult:
     """Run Algorithm 1 (see ``MappingSearch``): the best plan, the ``top_k`` best and the baselines."""
-    return MappingSearch(models, workload, cluster, params, space).run(top_k)
+    return MappingSearch(models, workload, cluster, params, space, abilities).run(top_k)

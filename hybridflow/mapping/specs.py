@@ -150,6 +150,7 @@ class ModelSpec:
     """Shape of a decoder-only transformer (Llama family: gated MLP, grouped-query attention).
 
     ``value_head``: the LM head (vocab x hidden) is replaced by a scalar head (critic, reward and cost models).
+    ``max_positions``: the longest sequence it takes (``max_position_embeddings``; None: unknown).
     """
 
     name: str
@@ -161,6 +162,7 @@ class ModelSpec:
     vocab: int
     tied_embeddings: bool = False
     value_head: bool = False
+    max_positions: int | None = None
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate, self.vocab) < 1:
@@ -215,16 +217,17 @@ class ModelSpec:
         heads = need("num_attention_heads")
         return cls(name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads), intermediate=need("intermediate_size"),
-                   vocab=need("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings", False)))
+                   vocab=need("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   max_positions=config.get("max_position_embeddings"))
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    "7B": ModelSpec("7B", 32, 4096, 32, 32, 11008, 32000),
-    "13B": ModelSpec("13B", 40, 5120, 40, 40, 13824, 32000),
-    "34B": ModelSpec("34B", 48, 8192, 64, 8, 22016, 32000),
-    "70B": ModelSpec("70B", 80, 8192, 64, 8, 28672, 32000),
-    # hybridflow/models/builtin (vocab: its 512-token tokenizer padded to a multiple of 64)
-    "tiny-arith": ModelSpec("tiny-arith", 4, 128, 4, 2, 384, 512, tied_embeddings=True),
+MODEL_PRESETS: dict[str, ModelSpec] = {  # max_positions: Llama 2 4096, Code Llama 16384 (their config.json)
+    "7B": ModelSpec("7B", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),
+    "13B": ModelSpec("13B", 40, 5120, 40, 40, 13824, 32000, max_positions=4096),
+    "34B": ModelSpec("34B", 48, 8192, 64, 8, 22016, 32000, max_positions=16384),
+    "70B": ModelSpec("70B", 80, 8192, 64, 8, 28672, 32000, max_positions=4096),
+    # hybridflow/models/builtin (vocab: its 512-token tokenizer padded to a multiple of 64; 256 positions)
+    "tiny-arith": ModelSpec("tiny-arith", 4, 128, 4, 2, 384, 512, tied_embeddings=True, max_positions=256),
 }
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
+from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
@@ -238,6 +239,7 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Ra
     own constructor runs. On exit (also on error) the pools are removed, which ends their actors, so a long-lived
     Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
+    log_layouts(config)  # (dp, tp, pp) per role, marking the planned ones (the `layouts` section)
     use_gpu = _use_gpu(config.trainer.device)
     roles = worker_roles(config)
     used = {role: mapping[role] for role in roles}

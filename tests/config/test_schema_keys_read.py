@@ -30,8 +30,8 @@ NOT_USE = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "loader.py", P
 
 # Keys read only dynamically or not yet applied by design, each checked by hand (keep this list short):
 EXEMPT = {
-    # written by `hybridflow plan`; documented in the schema as informational, not yet applied by the workers
-    # (the training-engine issue); the loader only type-checks them
+    # read by name in hybridflow/config/layouts.py (get(f"layouts.{role}") for each role of PHASES), applied at load
+    # (tests/config/test_layouts_section.py)
     "layouts.actor", "layouts.critic", "layouts.reference", "layouts.reward",
     # read by name in hybridflow/algorithms/advantage.py (getattr(config, pname) for each estimator parameter)
     "algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo",

@@ -72,7 +72,8 @@ def test_layouts_respect_node_heads_and_layers():
             assert lay.pp * lay.tp * lay.dp == n
             assert 8 % lay.tp == 0 and 40 % lay.tp == 0 and 40 % lay.pp == 0
     # tiny-arith has 4 heads and 4 layers: tp 8 and pp 8 do not divide them
-    tiny = MappingSearch(_models("tiny-arith"), Workload(), parse_cluster("1x8:cpu"))
+    tiny = MappingSearch(_models("tiny-arith"), Workload(prompt_len=128, response_len=64),
+                         parse_cluster("1x8:cpu"))
     assert {(lay.pp, lay.tp) for lay in tiny.layouts("actor", 8)} == {(p, t) for p in (1, 2, 4) for t in (1, 2, 4)
                                                                       if p * t <= 8}
     assert {lay.tp for lay in MappingSearch(_models("13B"), Workload(), parse_cluster("1x8:A100-80G"),

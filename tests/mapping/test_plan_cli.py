@@ -1,6 +1,7 @@
 """``hybridflow plan``: table and JSON output, exit statuses, and the emitted config snippet, which
 ``hybridflow train`` must accept as a recipe on its own and merged into the quickstart."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,10 @@ from omegaconf import OmegaConf
 
 from hybridflow.cli import main
 from hybridflow.config import load_config, resolve_recipe
-from hybridflow.mapping.emit import plan_to_config
+from hybridflow.mapping.abilities import ENGINE_ABILITIES
+from hybridflow.mapping.emit import plan_problems, plan_to_config
 from hybridflow.mapping.search import MappingSearch
-from hybridflow.mapping.specs import Workload, get_model, parse_cluster
+from hybridflow.mapping.specs import SpecError, Workload, get_model, parse_cluster
 
 CPU_ARGS = ["plan", "--cluster", "1x4:cpu", "--actor", "tiny-arith", "--reward", "rule", "--batch", "32",
             "--prompt-len", "64", "--response-len", "32", "--ppo-updates", "2", "--micro-batch", "8", "--zero", "3",
@@ -31,7 +33,7 @@ def test_json_output(capsys):
 
 def test_overlap_sets_and_shared_cores(capsys):
     args = ["plan", "--cluster", "1x4:cpu@2", "--actor", "tiny-arith", "--reward", "rule", "--batch", "32",
-            "--forward-micro-batch", "16", "--json"]
+            "--prompt-len", "64", "--response-len", "32", "--forward-micro-batch", "16", "--json"]
     assert main(args) == 0
     seq = json.loads(capsys.readouterr().out)
     assert seq["sequential_driver"] is True and seq["cluster"] == "1x4:cpu@2"
@@ -44,7 +46,7 @@ def test_overlap_sets_and_shared_cores(capsys):
 def test_table_output(capsys):
     assert main(CPU_ARGS) == 0
     out = capsys.readouterr().out
-    for text in ("best plan:", "estimated iteration:", "baselines", "top 5:", "states GB/device", "actor"):
+    for text in ("best plan:", "estimated iteration:", "baselines", "top 2:", "states GB/device", "actor"):
         assert text in out
 
 
@@ -52,6 +54,10 @@ def test_table_output(capsys):
     (["--cluster", "2x8:V100", "--actor", "7B"], "unknown device 'V100'"),
     (["--cluster", "2x8:H100", "--actor", "8B"], "not a preset"),
     (["--cluster", "2x8:H100", "--actor", "7B", "--batch", "0"], "batch=0"),
+    # the shipped model has 256 positions (its config.json): 1024 + 1024 tokens cannot be trained
+    (["--cluster", "1x4:cpu@2", "--actor", "builtin:tiny-arith"], "prompt + response = 2048 tokens exceed the "
+                                                                   "positions of actor builtin:tiny-arith (256)"),
+    (["--cluster", "2x8:H100", "--actor", "7B", "--prompt-len", "4000"], "exceed the positions of actor 7B (4096)"),
 ])
 def test_bad_arguments_exit_2(capsys, args, message):
     assert main(["plan", *args]) == 2
@@ -85,24 +91,31 @@ def test_emitted_config_loads_alone_and_merged_into_quickstart(tmp_path, capsys)
     assert cfg.trainer.experiment_name == "quickstart"  # the rest of the quickstart is kept
 
 
-def test_reference_planned_apart_is_mapped_with_the_actor():
+def test_plans_beyond_the_engine_are_not_emitted():
+    """Issue 15 item 3: a reference on its own pool (the actor's process would absorb it while the pool's devices
+    stay counted) and a critic with pp > 1 (no engine has pipeline parallelism) are refused, with the reason."""
     cluster = parse_cluster("2x8:A100-80G")
     models = {r: get_model("7B") for r in ("actor", "critic", "reference", "reward")}
-    search = MappingSearch(models, Workload(), cluster)
-    plan = search.plan([["actor", "reward"], ["critic", "reference"]], [8, 8])
-    config, notes = plan_to_config(plan, cluster, Workload())
-    mapping = config["resource_pool"]["mapping"]
-    assert mapping == {"actor": "actor_reward", "critic": "critic_reference", "reward": "actor_reward"}
-    assert "reference" not in config["layouts"]
-    assert any("reference" in n and "actor's process" in n for n in notes)
-    text = yaml.safe_dump(config)
-    assert "critic_reference" in text
+    search = MappingSearch(models, Workload(), cluster)  # unrestricted: the paper's system
+    apart = search.plan([["actor", "reward"], ["critic", "reference"]], [8, 8])
+    with pytest.raises(SpecError, match="reference apart from the actor"):
+        plan_to_config(apart, cluster, Workload())
+    assert any("reference apart" in p for p in plan_problems(apart, ENGINE_ABILITIES["fsdp2"]))
+    critic = search.set_estimate(("critic",), 8)
+    piped = [lay for lay in search.layouts("critic", 8) if lay.pp == 2][0]
+    forced = dataclasses.replace(critic, phases=tuple(dataclasses.replace(p, layout=piped) for p in critic.phases))
+    plan = dataclasses.replace(search.plan([["actor", "reference", "reward"], ["critic"]], [8, 8]),
+                               sets=(search.set_estimate(("actor", "reference", "reward"), 8), forced))
+    problems = plan_problems(plan, ENGINE_ABILITIES["fsdp2"])
+    assert any(p.startswith("critic train pp2") and "no pipeline parallelism" in p for p in problems), problems
+    with pytest.raises(SpecError, match="cannot run on engine fsdp2"):
+        plan_to_config(plan, cluster, Workload())
 
 
 def test_grpo_snippet_maps_every_config_role_and_sets_the_estimator(tmp_path, capsys):
     snippet = tmp_path / "grpo.yaml"
-    assert main(["plan", "--cluster", "1x8:H100", "--algorithm", "grpo", "--actor", "7B", "--batch", "64", "--n",
-                 "8", "--emit-config", str(snippet)]) == 0
+    args = ["plan", "--cluster", "1x8:H100", "--algorithm", "grpo", "--actor", "7B", "--batch", "64", "--n", "8"]
+    assert main([*args, "--reward", "rule", "--emit-config", str(snippet)]) == 0
     capsys.readouterr()
     merged = OmegaConf.merge(OmegaConf.load(resolve_recipe("quickstart")), OmegaConf.load(snippet))
     recipe = tmp_path / "r.yaml"
@@ -112,6 +125,12 @@ def test_grpo_snippet_maps_every_config_role_and_sets_the_estimator(tmp_path, ca
     assert cfg.actor_rollout_ref.rollout.n == 8
     assert set(cfg.resource_pool.mapping) == {"actor", "critic", "reward"}
     assert set(cfg.resource_pool.mapping.values()) <= set(cfg.resource_pool.pools)
+    # a reward model of a preset shape: its pool is mapped to the reward_model worker, whose path the user gives
+    assert main([*args, "--emit-config", str(snippet)]) == 0
+    assert "set reward_model.model.path" in snippet.read_text()
+    snip = yaml.safe_load(snippet.read_text())
+    assert snip["reward_model"] == {"enable": True}
+    assert snip["resource_pool"]["mapping"]["reward_model"] in snip["resource_pool"]["pools"]
 
 
 def test_cost_preset_flags_override_it_and_explain_lists_every_knob_value(capsys):
