@@ -13,14 +13,15 @@ Without a file, the ``calculator`` alone is used.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, Callable, Optional
 
 from omegaconf import OmegaConf
 
 from hybridflow.errors import UserError
 from hybridflow.tools.base import Tool, get_tool_class
 
-__all__ = ["DEFAULT_TOOLS", "load_tools"]
+__all__ = ["DEFAULT_TOOLS", "load_tools", "multi_turn_problems", "prompt_tool_schemas"]
 
 DEFAULT_TOOLS = ({"name": "calculator"},)
 
@@ -55,3 +56,30 @@ def load_tools(path: Optional[str]) -> dict[str, Tool]:
             raise UserError(f"two tools in the tool config are called {called!r}")
         tools[called] = tool
     return tools
+
+
+def prompt_tool_schemas(config: Any) -> Optional[list[dict]]:
+    """The tool schemas prompts are rendered with (``tools=`` of the chat template) when the run config's
+    ``actor_rollout_ref.rollout.multi_turn.enable`` is set, else None.
+
+    Raises:
+        UserError: see :func:`load_tools`.
+    """
+    cfg = config.actor_rollout_ref.rollout.multi_turn
+    return [tool.schema for tool in load_tools(cfg.tool_config_path).values()] if cfg.enable else None
+
+
+def multi_turn_problems(get: Callable[[str], Any]) -> list[str]:
+    """Config problems of ``actor_rollout_ref.rollout.multi_turn`` found at load (before Ray starts): counts and
+    timeouts out of range, a tool config file that does not exist. (Tool names are checked when the workers
+    build the tools: user tools register from ``trainer.plugins``.)"""
+    key = "actor_rollout_ref.rollout.multi_turn"
+    problems = []
+    if get(f"{key}.max_user_turns") < 0:
+        problems.append(f"{key}.max_user_turns: must be >= 0, got {get(f'{key}.max_user_turns')}")
+    if not get(f"{key}.tool_timeout_s") > 0:
+        problems.append(f"{key}.tool_timeout_s: must be > 0, got {get(f'{key}.tool_timeout_s')}")
+    path = get(f"{key}.tool_config_path")
+    if path and not os.path.isfile(path):
+        problems.append(f"{key}.tool_config_path: no file {path!r}")
+    return problems
