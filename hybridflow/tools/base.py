@@ -130,13 +130,19 @@ class ToolCall:
 
 async def _run_one(call: ToolCall, tools: dict[str, Tool], instance_id: str, timeout_s: float,
                    max_chars: int) -> None:
-    if call.error is not None:  # unparseable: nothing to run
+    await _execute(call, tools, instance_id, timeout_s)
+    if call.error is not None:
         call.result = f"Error: {call.error}"
+    call.result = call.result[:max_chars]
+
+
+async def _execute(call: ToolCall, tools: dict[str, Tool], instance_id: str, timeout_s: float) -> None:
+    """Run ``call`` (unless it could not be parsed), setting ``result`` or ``error``, and ``latency_s``."""
+    if call.error is not None:
         return
     tool = tools.get(call.name)
     if tool is None:
         call.error = f"unknown tool {call.name!r}; available: {', '.join(sorted(tools)) or '(none)'}"
-        call.result = f"Error: {call.error}"
         return
     start = time.perf_counter()
     try:
@@ -146,19 +152,16 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], instance_id: str, tim
         call.result = result
     except asyncio.TimeoutError:
         call.error = f"tool {call.name!r} timed out after {timeout_s:g}s"
-        call.result = f"Error: {call.error}"
     except Exception as err:  # noqa: BLE001 - any tool failure becomes an observation, never a crash
         call.error = f"{type(err).__name__}: {err}"
-        call.result = f"Error: {call.error}"
     call.latency_s = time.perf_counter() - start
-    if len(call.result) > max_chars:
-        call.result = call.result[:max_chars]
 
 
 async def run_calls(rounds: list[tuple[str, list[ToolCall]]], tools: dict[str, Tool], timeout_s: float,
                     max_chars: int) -> None:
     """Run every call of every trajectory concurrently, each under ``timeout_s`` seconds; fills each
-    :class:`ToolCall`'s ``result``/``error``/``latency_s`` in place (results truncated to ``max_chars``).
+    :class:`ToolCall`'s ``result``/``error``/``latency_s`` in place. A failed call's result is
+    ``"Error: <error>"``; every result is cut to ``max_chars`` characters.
 
     Args:
         rounds: ``(instance_id, calls)`` per trajectory that made calls this turn.

@@ -30,6 +30,8 @@ _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def _bounded(value: Number) -> Number:
+    if not isinstance(value, (int, float)):  # a complex power such as (-8) ** 0.5
+        raise ToolError(f"cannot compute: the result {value!r} is not a real number")
     if isinstance(value, float) and not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
         raise ToolError(f"result out of range (|x| > {MAX_MAGNITUDE:g})")
     return value
