@@ -26,6 +26,7 @@ CALL = '{"name": "calculator", "arguments": {"expression": "2+3"}}'
 BAD_CALL = '{"name": "calculator", "arguments": {"expression": "2**999"}}'
 ANSWER = "The answer is 5."
 THOUGHT = "<think>I should add.</think>"
+FULL_CALL = "<tool_call>" + CALL + "</tool_call>"  # one token, only where the tool tags are plain characters
 MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 PHRASES = [CALL, BAD_CALL, ANSWER, THOUGHT]
 SURE = 0.0  # logit of the only likely next token
@@ -59,7 +60,7 @@ def build_tokenizer(reasoning: bool = False, tool_tokens: bool = True) -> transf
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
                                                eos_token="<|im_end|>")
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
-    tok.add_tokens((MARKUP if tool_tokens else MARKUP[2:]) + PHRASES)
+    tok.add_tokens(MARKUP + PHRASES if tool_tokens else MARKUP[2:] + PHRASES + [FULL_CALL])
     tok.chat_template = TEMPLATE.replace("DROP_THINK", "true" if reasoning else "false")
     return tok
 
