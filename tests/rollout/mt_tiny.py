@@ -17,10 +17,14 @@ import math
 import string
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from hybridflow.protocol import DataProto
+
+QUESTIONS = ["what is 2+3?", "add 2 and 3", "sum?"]
 SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
 CALL = '{"name": "calculator", "arguments": {"expression": "2+3"}}'
 BAD_CALL = '{"name": "calculator", "arguments": {"expression": "2**999"}}'
@@ -117,3 +121,50 @@ def expected_log_prob(table: dict[str, dict[str, float]], tok, current: int, nxt
     likely = {tok.convert_tokens_to_ids(t): math.log(p) for t, p in nexts.items()}
     z = sum(math.exp(v) for v in likely.values()) + (vocab - len(likely)) * math.exp(NEVER)
     return likely.get(nxt, NEVER) - math.log(z)
+
+
+def prompts_batch(tok, tools, questions=QUESTIONS, meta=None) -> DataProto:
+    """Left-padded prompts: each question as a user message rendered with ``tools=``."""
+    rows = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tools=tools, tokenize=False,
+                                               add_generation_prompt=True), add_special_tokens=False)
+            for q in questions]
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, meta_info=meta or {})
+
+
+def check_record_against_table(out, tok, table) -> None:
+    """Every mask-1 token has the closed-form sampling logprob of the bigram table (so it was sampled by the
+    model, in the recorded context); every mask-0 token is code-made and matches the template's rendering."""
+    b = out.batch
+    for row in range(len(out)):
+        prompt = b["prompts"][row][b["attention_mask"][row, : b["prompts"].shape[1]].bool()].tolist()
+        length = int(b["attention_mask"][row, b["prompts"].shape[1]:].sum())
+        ids, mask = b["responses"][row, :length].tolist(), b["response_mask"][row, :length].tolist()
+        lps = b["rollout_log_probs"][row, :length].tolist()
+        assert b["response_mask"][row, length:].sum() == 0 and b["attention_mask"][row, -1] in (0, 1)
+        context = prompt + ids
+        for t, (token, m, lp) in enumerate(zip(ids, mask, lps)):
+            if m:
+                assert math.isfinite(lp)
+                assert lp == pytest.approx(expected_log_prob(table, tok, context[len(prompt) + t - 1], token),
+                                           abs=1e-4)
+            else:
+                assert lp == 0.0
+        spans = out.non_tensor_batch["turn_spans"][row]
+        assert [s[1] for s in spans] == [0] + [s[2] for s in spans[:-1]] and spans[-1][2] == length
+        for kind, start, end in spans:
+            assert set(mask[start:end]) == {1 if kind == "model" else 0}
+            if kind == "observation":  # end-of-turn markup + the tool message + next generation prompt, code-made
+                text = tok.decode(ids[start:end], skip_special_tokens=False)
+                assert text == "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n" \
+                               "<|im_start|>assistant\n"
+        assert spans[-1][0] == "model"
+        # positions continue over observations: the trainer's forward sees one contiguous sequence
+        pos = b["position_ids"][row, b["prompts"].shape[1]:b["prompts"].shape[1] + length]
+        assert pos.tolist() == list(range(len(prompt), len(prompt) + length))
