@@ -118,3 +118,25 @@ def test_step_metrics_count_model_tokens_and_tool_calls():
     assert metrics["tool/errors"] == 0 and metrics["tool/latency_s_mean"] == 0.5
     assert metrics["multi_turn/finish/eos"] == 0.5 and metrics["multi_turn/finish/length"] == 0.5
     assert multi_turn_metrics(DataProto.from_dict(tensors={"x": torch.zeros(2)})) == {}
+
+
+def test_chat_delta_markup_and_templates_it_refuses():
+    from hybridflow.rollout.multi_turn_template import ChatDelta
+
+    tok = build_tokenizer()
+    delta = ChatDelta(tok)
+    assert tok.decode(delta.end_of_turn, skip_special_tokens=False) == "<|im_end|>\n"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert delta.close_turn([5, im_end]) == delta.end_of_turn[1:]  # the model sampled the eos: only "\n" is added
+    assert delta.close_turn([5, 6]) == delta.end_of_turn
+    assert tok.decode(delta.tool_observation([("calculator", "7")]), skip_special_tokens=False) == (
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    # a template that renders the last message differently from earlier ones: no token-exact append exists
+    tok.chat_template = tok.chat_template.replace("'<|im_end|>\\n' }}{%- endif -%}{%- endfor -%}",
+                                                  "'<|im_end|>\\n' }}{%- endif -%}{%- if loop.last -%}{{ '!' }}"
+                                                  "{%- endif -%}{%- endfor -%}")
+    with pytest.raises(ValueError, match="token-exactly"):
+        ChatDelta(tok).tool_observation([("calculator", "7")])
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        ChatDelta(tok)
