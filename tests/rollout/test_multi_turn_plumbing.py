@@ -136,7 +136,12 @@ def test_chat_delta_markup_and_templates_it_refuses():
                                                   "'<|im_end|>\\n' }}{%- endif -%}{%- if loop.last -%}{{ '!' }}"
                                                   "{%- endif -%}{%- endfor -%}")
     with pytest.raises(ValueError, match="token-exactly"):
-        ChatDelta(tok).tool_observation([("calculator", "7")])
+        ChatDelta(tok)
+    # the shipped tiny-arith template has no tool role
+    from hybridflow.models.hf import load_tokenizer
+
+    with pytest.raises(ValueError, match="cannot render a 'tool' message"):
+        ChatDelta(load_tokenizer("builtin:tiny-arith"))
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat_template"):
         ChatDelta(tok)
