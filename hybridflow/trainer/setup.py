@@ -23,6 +23,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
 from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
+from hybridflow.tools.config import prompt_tool_schemas
 from hybridflow.trainer.driver import Role, all_roles, get_driver
 
 if TYPE_CHECKING:
@@ -75,7 +76,8 @@ def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: st
             rows = make_builtin_rows(split, data.builtin_train_size if split == "train" else data.builtin_val_size,
                                      data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
-        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation)
+        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
+                              tools=prompt_tool_schemas(config))
         rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")
         if rule_reward_used and config.reward_model.compute_score == "default":
             check_data_sources(rows)

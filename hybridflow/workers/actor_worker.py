@@ -46,6 +46,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import get_rollout_class, uses_hybrid_engine
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
+from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.ppo_actor import PPOActor
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class ActorRolloutRefWorker(Worker):
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
         self._lora = lora_lib.lora_enabled(config.actor_rollout_ref.model)  # actor wrapped by peft (README "LoRA")
         self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
+        self.multi_turn = None  # the multi-turn tool loop around the rollout (rollout.multi_turn.enable)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -138,6 +140,7 @@ class ActorRolloutRefWorker(Worker):
             scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=scale)
         if self._has_rollout:
+            self.multi_turn = MultiTurnLoop.from_config(self.config, self.tokenizer)
             self._init_rollout(dtype)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
@@ -258,7 +261,7 @@ class ActorRolloutRefWorker(Worker):
         peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
-        out = self.rollout.generate_sequences(with_rank_seed(prompts, gen_dp_rank))
+        out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
         if self.sync_metrics:
             out.meta_info["sync_metrics"] = self.sync_metrics
         if self.engine is not None:
