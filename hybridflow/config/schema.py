@@ -104,7 +104,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,
-    # any backend) | adapter (A and B only, far fewer bytes; colocated hf rollout only)
+    # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
     lora_sync: str = "merged"
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
     # with these settings and logs val/mean@<n>

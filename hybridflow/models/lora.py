@@ -177,6 +177,7 @@ def lora_problems(get: Callable[[str], Any]) -> list[str]:
 def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[str]) -> list[str]:
     """The checks that apply only with ``lora_rank`` > 0."""
     problems = []
+    rank = get(f"{model}.lora_rank")
     if importlib.util.find_spec("peft") is None:
         problems.append(f"{model}.lora_rank > 0 needs the peft package (pip install -e \".[lora]\" or pip install "
                         "peft)")
@@ -199,10 +200,12 @@ def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[
     if rollout == "hf" and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
         problems.append(f"{model}.lora_rank > 0 with the hf rollout generates from a full merged copy per rank: "
                         "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
-    if sync == "adapter" and not (rollout == "hf" and get("algorithm.driver") != "async"):
-        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter is implemented for the colocated hf rollout "
-                        f"only (rollout.name={rollout}, algorithm.driver={get('algorithm.driver')}): use "
-                        "lora_sync=merged")
+    if sync == "adapter" and rollout not in ("hf", "vllm"):
+        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter is implemented for the hf and vllm rollouts "
+                        f"(rollout.name={rollout}): use lora_sync=merged")
+    if sync == "adapter" and rollout == "vllm" and rank > 512:
+        problems.append(f"{model}.lora_rank={rank} with lora_sync=adapter and the vllm rollout: vLLM takes ranks "
+                        "up to 512; use lora_sync=merged or a smaller rank")
     return problems
 
 
