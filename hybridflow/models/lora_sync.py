@@ -91,7 +91,8 @@ def rollout_dtype(rollout: Any) -> str:
 
 
 def check_probe(expected: torch.Tensor, got: torch.Tensor, dtype: str, where: str = "rollout") -> dict[str, float]:
-    """Compare the trainer's probe logprobs ``expected`` with the rollout's ``got`` (both (1, L) fp32).
+    """Compare the trainer's probe logprobs ``expected`` (1, L) fp32 with the rollout's ``got`` (1, L') fp32,
+    L' <= L (a rollout whose context is shorter than the probe answers for its prefix; positions are causal).
 
     Returns:
         ``sync/verified`` (1.0), ``sync/probe_max_abs_diff``, ``sync/probe_logprob_sum`` (the trainer's).
@@ -100,6 +101,7 @@ def check_probe(expected: torch.Tensor, got: torch.Tensor, dtype: str, where: st
         RuntimeError: they differ by more than :data:`hybridflow.models.lora.PROBE_ATOL` (fp32) or
             ``PROBE_ATOL_LOW``: the ``where`` is not generating from the trainer's current policy.
     """
+    expected = expected[:, : got.shape[1]]
     diff = float((expected.float().cpu() - got.float().cpu()).abs().max())
     atol = lora_lib.PROBE_ATOL.get(dtype, lora_lib.PROBE_ATOL_LOW)
     if not diff <= atol:

@@ -433,15 +433,16 @@ class VLLMRollout(BaseRollout):
         """The engine's greedy next-token logprobs on a fixed token sequence (the weight-sync probe).
 
         Returns:
-            (1, len(ids)) float32: at position j, the largest logprob of the token after ``ids[: j + 1]``
-            (``prompt_logprobs`` for j < len - 1, the greedy first generated token for the last), under the
-            loaded weights and adapter; the trainer's :func:`hybridflow.models.lora.greedy_logprobs` on the same
-            ids is the reference.
+            (1, L) float32, L = len(ids) or ``max_model_len - 1`` if shorter (the probe is cut to fit the engine):
+            at position j, the largest logprob of the token after ``ids[: j + 1]`` (``prompt_logprobs`` for
+            j < L - 1, the greedy first generated token for the last), under the loaded weights and adapter; the
+            trainer's :func:`hybridflow.models.lora.greedy_logprobs` on the same ids is the reference.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self._check_ready()
+        ids = list(ids)[: self.llm.llm_engine.vllm_config.model_config.max_model_len - 1]
         params = SamplingParams(n=1, max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True,
                                 detokenize=False)
         out = self.llm.generate([TokensPrompt(prompt_token_ids=[int(i) for i in ids])], [params], use_tqdm=False,
