@@ -11,6 +11,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed import (apply_fsdp2, build_mesh, init_distributed, offload_module, offload_optimizer,
                                     onload_module, onload_optimizer, resolve_dtype)
+from hybridflow.models import lora as lora_lib
 from hybridflow.models.hf import load_value_model
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
@@ -46,6 +47,8 @@ class CriticWorker(Worker):
         model_cfg = cfg.model if cfg.model.path else self.config.actor_rollout_ref.model
         dtype = resolve_dtype(model_cfg.dtype, device)
         module = load_value_model(model_cfg.path, dtype, model_cfg.trust_remote_code)
+        if lora_lib.lora_enabled(cfg.model):  # critic.model.lora_*: adapters on the backbone, the head in full
+            module = lora_lib.apply_critic_lora(module, cfg.model)
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
         module = apply_fsdp2(module.to(device), mesh)

@@ -48,7 +48,8 @@ def test_lora_is_off_by_default():
     (LORA + ["actor_rollout_ref.model.target_modules=[]"], "target_modules must be"),
     (LORA + ["actor_rollout_ref.rollout.lora_sync=adapters"], "lora_sync must be one of merged | adapter"),
     (LORA + ["actor_rollout_ref.actor.tensor_model_parallel_size=2"], "tensor_model_parallel_size > 1 is not"),
-    (["critic.model.lora_rank=4"], "implemented for the actor only"),
+    (["reward_model.model.lora_rank=4"], "implemented for the actor and the critic"),
+    (["critic.model.lora_rank=4", "critic.model.lora_alpha=0"], "critic.model.lora_alpha must be > 0"),
     (["actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.name=vllm",
       "actor_rollout_ref.rollout.lora_sync=adapter"], "vLLM takes ranks up to 512"),
 ])
