@@ -21,6 +21,10 @@ On CPU, prefill is not chunked (``enable_chunked_prefill=False``): vLLM rewinds 
 when it splits the prompt over engine steps, which CPU generators do not support (the engine crashes once a batch
 exceeds one step's token budget).
 
+LoRA (``actor_rollout_ref.rollout.lora_sync=adapter``): the engine holds the actor's adapter as a vLLM LoRA
+adapter (:mod:`hybridflow.rollout.vllm_lora`); :meth:`VLLMRollout.load_weights` of peft-named A/B tensors replaces
+it, and :meth:`VLLMRollout.probe_logprobs` answers the weight-sync probe (:mod:`hybridflow.models.lora_sync`).
+
 Memory: ``sleep()``/``wake()`` call vLLM's sleep mode where the platform has it (CUDA, ROCm, XPU: level 1
 offloads weights and frees the KV cache, level 2 frees both). vLLM's CPU worker has no sleep mode: there both
 calls only switch the backend's state (weights and KV cache stay allocated); the KV cache size on CPU is fixed
