@@ -124,3 +124,36 @@ def test_verify_sync_catches_stale_rollout():
     rollout.load_state_dict(dict(lora.merge_lora_stream(model.state_dict().items(), scaling)))
     metrics = lora.verify_sync(model, rollout, model.config.vocab_size)
     assert metrics["sync/verified"] == 1.0 and metrics["sync/probe_max_abs_diff"] <= 1e-5
+
+
+def test_vllm_adapter_dir_loads_with_peft_and_matches(tmp_path):
+    """The adapter directory the vllm backend loads each sync is a plain peft adapter: PeftModel.from_pretrained on
+    the base gives the trainer's logits."""
+    from peft import PeftModel
+
+    from hybridflow.rollout.vllm_lora import vllm_max_lora_rank, write_peft_adapter
+
+    model = _wrapped().eval()
+    count = write_peft_adapter(lora.adapter_items(model.state_dict().items()), 8, 16.0, str(tmp_path))
+    assert count == sum(".lora_A." in n or ".lora_B." in n for n, _ in model.named_parameters())
+    loaded = PeftModel.from_pretrained(load_causal_lm(BASE, torch.float32), str(tmp_path)).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - model(input_ids=ids).logits).abs().max() <= 1e-5
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="above vLLM's largest LoRA rank"):
+        vllm_max_lora_rank(513)
+
+
+def test_rollout_probe_check_cuts_to_the_rollout_context():
+    """A rollout whose context is shorter than the probe answers for a prefix; a stale prefix still fails."""
+    from hybridflow.models import lora_sync
+
+    model = _wrapped().eval()
+    ids = lora.probe_ids(model.config.vocab_size, "cpu")
+    expected = lora.greedy_logprobs(model, ids)[1]
+    prefix = lora.greedy_logprobs(model, ids[:, :5])[1]  # causal: the first 5 positions of the full probe
+    assert lora_sync.check_probe(expected, prefix, "float32")["sync/probe_max_abs_diff"] <= 1e-6
+    stale = lora.greedy_logprobs(load_causal_lm(BASE, torch.float32), ids[:, :5])[1]
+    with pytest.raises(RuntimeError, match="LoRA weight sync failed"):
+        lora_sync.check_probe(expected, stale, "float32")
