@@ -48,7 +48,9 @@ def test_async_lora_pushes_adapters_and_generators_verify(ray_session, tmp_path)
 
     from hybridflow.trainer.main import run_ppo
 
+    # 2 trainer ranks (FSDP2: every rank gathers and runs the probe's forward, rank 0 sends), 1 generator
     run_ppo(load_config("async_grpo_quickstart", ASYNC + LORA + [
+        "resource_pool.pools={trainer: [2], generator: [1]}", "trainer.n_gpus_per_node=2",
         "actor_rollout_ref.rollout.lora_sync=adapter", f"trainer.default_local_dir={tmp_path}"]))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
