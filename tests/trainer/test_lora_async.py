@@ -62,13 +62,17 @@ def test_async_lora_pushes_adapters_and_generators_verify(ray_session, tmp_path)
     assert rows[1]["sync/probe_logprob_sum"] != rows[2]["sync/probe_logprob_sum"]  # a new policy each push
 
 
-def _generator_rank(rank: int, port: int, out: str) -> None:
-    """One generator rank (hf, adapter payload): a checked push, then a push whose load does nothing."""
+def _generator_rank(rank: int, port: int, backend: str, out: str) -> None:
+    """One generator rank (adapter payload): a checked push, then a push whose load does nothing."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hybridflow.rollout.hf_rollout import HFRollout
     from hybridflow.workers.generator_worker import GeneratorWorker
 
+    if backend == "vllm":
+        from hybridflow.rollout.vllm_rollout import VLLMRollout as Rollout
+    else:
+        from hybridflow.rollout.hf_rollout import HFRollout as Rollout
     cfg = load_config("async_grpo_quickstart", LORA + ["actor_rollout_ref.rollout.lora_sync=adapter",
+                                                       f"actor_rollout_ref.rollout.name={backend}",
                                                        "data.max_response_length=4"])
     worker = GeneratorWorker(cfg)
     worker.init_model()
@@ -86,20 +90,26 @@ def _generator_rank(rank: int, port: int, out: str) -> None:
         worker._staged, worker._probe = lora_sync.split_probe(pushed)
         worker._staged = (version, worker._staged)
         if version == 2:
-            HFRollout.load_weights = lambda self, weights: None  # the push never reaches the model
+            Rollout.load_weights = lambda self, weights: None  # the push never reaches the model
         try:
             result[version] = worker.generate_sequences(prompts).meta_info.get("sync_metrics")
         except RuntimeError as exc:
             result[version] = str(exc)
+    if backend == "vllm":
+        worker.rollout.close()
     torch.save(result, os.path.join(out, "result.pt"))
     torch.distributed.destroy_process_group()
 
 
-def test_generator_checks_each_push_and_a_lost_push_fails(tmp_path):
+@pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_generator_checks_each_push_and_a_lost_push_fails(tmp_path, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_generator_rank, args=(port, str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_generator_rank, args=(port, backend, str(tmp_path)), nprocs=1, join=True)
     result = torch.load(tmp_path / "result.pt", weights_only=False)
-    assert result[1]["sync/verified"] == 1.0 and result[1]["sync/probe_max_abs_diff"] <= 1e-5
+    assert result[1]["sync/verified"] == 1.0
+    assert result[1]["sync/probe_max_abs_diff"] <= (1e-5 if backend == "hf" else 1e-4)
     assert "LoRA weight sync failed: the generator (rank 0)" in result[2]
