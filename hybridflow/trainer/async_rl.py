@@ -191,7 +191,8 @@ class AsyncTrainer(Driver):
         with timer("step", t):
             batch = self._generated(version, t)
             staleness = (version - batch.batch["policy_version"]).float()
-            metrics = self.ppo.train_on(batch, t)
+            sync = batch.meta_info.pop("sync_metrics", {})  # LoRA: the generators' weights checked (sync/verified)
+            metrics = {**self.ppo.train_on(batch, t), **sync}
             with timer("weight_push", t):
                 metrics.update(self.push_weights(version + 1))
         if not self.config.algorithm.bypass_old_log_prob:  # else old = mu: the actor logs actor/is_weight_*

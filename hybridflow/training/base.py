@@ -80,7 +80,9 @@ class EngineSpec:
         grad_clip: max global gradient norm of :meth:`TrainEngine.optimizer_step`.
         nonfinite_grad: ``skip`` (drop a step whose gradient norm is NaN/inf, count it) or ``error`` (raise).
         param_offload / optimizer_offload: what :meth:`TrainEngine.offload` moves to host memory.
-        lora: wrap the policy with LoRA adapters (peft) before sharding; only they train.
+        lora: wrap the model with LoRA adapters (peft) before sharding; only they train (a value model's head too).
+        lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``;
+            the critic passes ``critic.model`` while loading the actor's weights when it has no path of its own).
         role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
     """
 
@@ -95,6 +97,7 @@ class EngineSpec:
     param_offload: bool = False
     optimizer_offload: bool = False
     lora: bool = False
+    lora_config: Any = None
     role: str = "actor"
 
     def __post_init__(self) -> None:

@@ -39,7 +39,9 @@ def _load_module(spec: EngineSpec, dtype: torch.dtype) -> torch.nn.Module:
     if spec.optim is None:
         return module.requires_grad_(False)
     if spec.lora:  # before FSDP2: only the adapters require grad, so only they get optimizer state
-        module = lora_lib.apply_lora(module, model)
+        # a value model keeps its head in full (trained) with adapters on the backbone
+        module = (lora_lib.apply_critic_lora if spec.kind == "value" else lora_lib.apply_lora)(
+            module, spec.lora_config or model)
     if model.enable_gradient_checkpointing:
         module.gradient_checkpointing_enable()
     return module

@@ -42,6 +42,7 @@ from hybridflow.distributed import init_distributed, resolve_dtype
 from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.models import lora as lora_lib
+from hybridflow.models import lora_sync
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import get_rollout_class, uses_hybrid_engine
@@ -75,6 +76,7 @@ def make_rollout_config(config) -> SimpleNamespace:
         micro_batch_size=rollout.micro_batch_size_per_gpu,
         tensor_model_parallel_size=rollout.tensor_model_parallel_size,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
+        **lora_sync.rollout_lora_options(config),  # LoRA adapters for a backend with its own engine (vllm)
     )
 
 
@@ -160,7 +162,7 @@ class ActorRolloutRefWorker(Worker):
         use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora
         if rollout_cls.needs_module and not use_engine:
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
-            if self._lora and cfg.rollout.lora_sync == "adapter":  # base + adapters, refreshed by A and B only
+            if lora_sync.rollout_takes_adapters(self.config):  # base + adapters, refreshed by A and B only
                 rollout_module = lora_lib.apply_lora(rollout_module, cfg.model)
             rollout_module = rollout_module.to(self.device)
         rollout_cfg = make_rollout_config(self.config)
@@ -169,9 +171,9 @@ class ActorRolloutRefWorker(Worker):
             self._build_hybrid_engine(rollout_cfg, eos)
         else:
             self._build_rollout(rollout_cls, path, rollout_module, rollout_cfg, eos, dtype)
-            if self._lora and not isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
-                logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
-                               "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
+            if self._lora and not lora_sync.can_probe(self.rollout):
+                logger.warning("LoRA: the %s rollout cannot be probed, so its weight sync is not checked (no "
+                               "sync/verified)", cfg.rollout.name)
 
     def _build_hybrid_engine(self, rollout_cfg, eos) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
@@ -238,20 +240,24 @@ class ActorRolloutRefWorker(Worker):
             self.actor.engine.onload(optimizer=False)
             self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
-            if self._lora and isinstance(getattr(self.rollout, "module", None), torch.nn.Module):
-                self.sync_metrics = lora_lib.verify_sync(self.actor.module, self.rollout.module,
-                                                         self.actor.module.config.vocab_size)
+            if self._lora:  # the rollout's probe against the trainer's; a mismatch fails the step
+                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout,
+                                                                  self.actor.module.config.vocab_size)
         self.actor.engine.offload()
 
     def _rollout_weights(self):
         """``(name, full tensor)`` for the rollout: the actor's state; with LoRA, merged into the base names
-        (``rollout.lora_sync=merged``) or the adapters only (``adapter``). Every rank consumes it in lockstep."""
+        (``rollout.lora_sync=merged``) or the adapters only (``adapter``, where the rollout takes them; see
+        :mod:`hybridflow.models.lora_sync`). Every rank consumes it in lockstep."""
         state = self.actor.engine.iter_weights()
-        if not self._lora:
-            return state
-        if self.config.actor_rollout_ref.rollout.lora_sync == "adapter":
-            return lora_lib.adapter_items(state)
-        return lora_lib.merge_lora_stream(state, lora_lib.lora_scaling(self.actor.module.peft_config["default"]))
+        return lora_sync.rollout_stream(self.config, self.actor.module, state) if self._lora else state
+
+    def _push_items(self):
+        """What :meth:`send_weights` sends: :meth:`_rollout_weights`, and with LoRA the trainer's sync probe last
+        (the generators check their own against it). Every rank consumes it in lockstep."""
+        yield from self._rollout_weights()
+        if self._lora:
+            yield lora_sync.probe_entry(self.actor.module)
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout")
     @report_time
@@ -312,7 +318,9 @@ class ActorRolloutRefWorker(Worker):
         host, _ = self.get_master_addr_port()
         self._sync_store = open_store(host, self.config.async_training.weight_sync_timeout_s)
         items = self.actor.module.state_dict().items()
-        self._sync_layout = layout_of(lora_lib.merged_names(items) if self._lora else items)
+        if self._lora:  # the payload the generators take (adapters or merged), then the trainer's sync probe
+            items = [*lora_sync.rollout_layout_items(self.config, items), lora_sync.probe_layout_entry()]
+        self._sync_layout = layout_of(items)
         return host, self._sync_store.port, self._sync_layout
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -332,10 +340,10 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
         if self._weight_sync is None:  # ranks > 0 take part in the gathers only
-            for _ in self._rollout_weights():
+            for _ in self._push_items():
                 pass
             return {}
-        sent = self._weight_sync.send(self._rollout_weights(), self._sync_layout, bucket)
+        sent = self._weight_sync.send(self._push_items(), self._sync_layout, bucket)
         seconds = time.perf_counter() - start
         logger.debug("sent weights of version %d: %d bytes in %.3fs", version, sent, seconds)
         return {"sync/weight_transfer_s": seconds, "sync/weight_transfer_bytes": float(sent)}

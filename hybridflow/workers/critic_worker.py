@@ -6,6 +6,7 @@ import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
+from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.timing import report_time
@@ -42,7 +43,8 @@ class CriticWorker(Worker):
             kind="value", model=model_cfg, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
             optim=cfg.optim, total_steps=total_training_steps, grad_clip=cfg.grad_clip,
             nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
-            optimizer_offload=fsdp.optimizer_offload, role="critic"))
+            optimizer_offload=fsdp.optimizer_offload, role="critic",
+            lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model))  # critic.model.lora_*: backbone adapters
         self.critic = PPOCritic(engine, None, cfg)
         engine.offload()
 

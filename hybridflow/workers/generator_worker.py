@@ -11,6 +11,10 @@ copy during a transfer.
 With ``async_training.generator_quantization=int8`` (hf backend) the generator keeps its Linear weights as int8
 with one scale per output channel (:mod:`hybridflow.models.quantize`); pushed weights are re-quantized on load.
 The logprob gap to the full-precision policy is left to the importance correction (AIPO, or TIS for PPO).
+
+With LoRA on the actor the push carries adapters where the generator takes them (``rollout.lora_sync=adapter``,
+hf or vllm, not int8) and merged weights otherwise, plus the trainer's sync probe; after loading a push the
+generator checks its own probe against it (:mod:`hybridflow.models.lora_sync`) and a mismatch fails the call.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed, resolve_dtype
 from hybridflow.distributed.weight_sync import WeightTransferGroup
+from hybridflow.models import lora as lora_lib
+from hybridflow.models import lora_sync
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import get_rollout_class
@@ -50,6 +56,7 @@ class GeneratorWorker(Worker):
         self._stage_lock = threading.Lock()
         self._staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self._weight_sync = None
+        self._probe: torch.Tensor | None = None  # the trainer's sync probe of the staged push (LoRA)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -66,6 +73,8 @@ class GeneratorWorker(Worker):
         if rollout_cls.needs_module:
             module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
             module.requires_grad_(False)
+            if lora_sync.rollout_takes_adapters(self.config):  # base + adapters, refreshed by A and B only
+                module = lora_lib.apply_lora(module, cfg.model).to(self.device)
         self._quantized = self.config.async_training.generator_quantization == "int8"
         if self._quantized:
             from hybridflow.models.quantize import quantize_linear_layers
@@ -93,16 +102,23 @@ class GeneratorWorker(Worker):
         """Receive the trainer's weights of ``version`` (runs while a generation may be running) and stage them
         for the next generation call. A newer staged version replaces an older one not yet loaded."""
         bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
-        tensors = list(self._weight_sync.receive(self._layout, bucket))
+        tensors, probe = lora_sync.split_probe(list(self._weight_sync.receive(self._layout, bucket)))
         with self._stage_lock:
             if self._staged is None or self._staged[0] < version:
                 self._staged = (version, tensors)
+                self._probe = probe
 
-    def _load_staged(self) -> None:
+    def _load_staged(self) -> dict[str, float]:
+        """Load the newest staged push; returns the LoRA sync check's metrics (``{}``: nothing loaded or checked).
+
+        Raises:
+            RuntimeError: the generator's sync probe differs from the trainer's (the weights did not arrive).
+        """
         with self._stage_lock:
             staged, self._staged = self._staged, None
+            probe, self._probe = self._probe, None
         if staged is None or staged[0] <= self.version:
-            return
+            return {}
         version, tensors = staged
         if self._quantized:
             from hybridflow.models.quantize import load_weights_quantized
@@ -111,6 +127,11 @@ class GeneratorWorker(Worker):
         else:
             self.rollout.load_weights(tensors)
         self.version = version
+        if probe is None or self._quantized:  # int8 weights are meant to differ from the trainer's
+            return {}
+        got = lora_sync.rollout_probe(self.rollout, lora_sync.rollout_vocab_size(self.rollout))
+        return {} if got is None else lora_sync.check_probe(probe, got, lora_sync.rollout_dtype(self.rollout),
+                                                            where=f"generator (rank {self.rank})")
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout", blocking=False)
     @report_time
@@ -119,9 +140,11 @@ class GeneratorWorker(Worker):
         staged weights loaded first; adds ``policy_version`` (B*n,) long: the trainer step whose weights
         generated each row. Returns a future (``blocking=False``): the driver keeps several in flight."""
         with self._generate_lock:
-            self._load_staged()
+            sync_metrics = self._load_staged()
             gen_dp_rank = self._query_dispatch_info("rollout")[0]
             out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
             out.batch["policy_version"] = torch.full((len(out),), self.version, dtype=torch.long)
             out.meta_info.pop("seed", None)
+            if sync_metrics:
+                out.meta_info["sync_metrics"] = sync_metrics
             return out

@@ -48,7 +48,10 @@ def test_lora_is_off_by_default():
     (LORA + ["actor_rollout_ref.model.target_modules=[]"], "target_modules must be"),
     (LORA + ["actor_rollout_ref.rollout.lora_sync=adapters"], "lora_sync must be one of merged | adapter"),
     (LORA + ["actor_rollout_ref.actor.tensor_model_parallel_size=2"], "tensor_model_parallel_size > 1 is not"),
-    (["critic.model.lora_rank=4"], "implemented for the actor only"),
+    (["reward_model.model.lora_rank=4"], "implemented for the actor and the critic"),
+    (["critic.model.lora_rank=4", "critic.model.lora_alpha=0"], "critic.model.lora_alpha must be > 0"),
+    (["actor_rollout_ref.model.lora_rank=1024", "actor_rollout_ref.rollout.name=vllm",
+      "actor_rollout_ref.rollout.lora_sync=adapter"], "vllm rollout: it takes ranks up to 512"),
 ])
 def test_bad_lora_config_is_one_clear_line(overrides, needle):
     with pytest.raises(ConfigError) as info:
@@ -121,3 +124,36 @@ def test_verify_sync_catches_stale_rollout():
     rollout.load_state_dict(dict(lora.merge_lora_stream(model.state_dict().items(), scaling)))
     metrics = lora.verify_sync(model, rollout, model.config.vocab_size)
     assert metrics["sync/verified"] == 1.0 and metrics["sync/probe_max_abs_diff"] <= 1e-5
+
+
+def test_vllm_adapter_dir_loads_with_peft_and_matches(tmp_path):
+    """The adapter directory the vllm backend loads each sync is a plain peft adapter: PeftModel.from_pretrained on
+    the base gives the trainer's logits."""
+    from peft import PeftModel
+
+    from hybridflow.rollout.vllm_lora import vllm_max_lora_rank, write_peft_adapter
+
+    model = _wrapped().eval()
+    count = write_peft_adapter(lora.adapter_items(model.state_dict().items()), 8, 16.0, str(tmp_path))
+    assert count == sum(".lora_A." in n or ".lora_B." in n for n, _ in model.named_parameters())
+    loaded = PeftModel.from_pretrained(load_causal_lm(BASE, torch.float32), str(tmp_path)).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - model(input_ids=ids).logits).abs().max() <= 1e-5
+    assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 512)] == [1, 8, 8, 16, 512]
+    with pytest.raises(ValueError, match="above vLLM's largest LoRA rank"):
+        vllm_max_lora_rank(513)
+
+
+def test_rollout_probe_check_cuts_to_the_rollout_context():
+    """A rollout whose context is shorter than the probe answers for a prefix; a stale prefix still fails."""
+    from hybridflow.models import lora_sync
+
+    model = _wrapped().eval()
+    ids = lora.probe_ids(model.config.vocab_size, "cpu")
+    expected = lora.greedy_logprobs(model, ids)[1]
+    prefix = lora.greedy_logprobs(model, ids[:, :5])[1]  # causal: the first 5 positions of the full probe
+    assert lora_sync.check_probe(expected, prefix, "float32")["sync/probe_max_abs_diff"] <= 1e-6
+    stale = lora.greedy_logprobs(load_causal_lm(BASE, torch.float32), ids[:, :5])[1]
+    with pytest.raises(RuntimeError, match="LoRA weight sync failed"):
+        lora_sync.check_probe(expected, stale, "float32")

@@ -1,0 +1,155 @@
+"""LoRA with the vllm rollout in the actor worker (2 gloo ranks, FSDP2, one in-process vLLM engine per rank; the
+real ``ActorRolloutRefWorker``, methods called directly on each rank), for ``lora_sync=adapter`` (a vLLM LoRA
+adapter) and ``merged`` (W + s B A loaded in place).
+
+After one update: vLLM's greedy tokens equal those of an hf rollout built independently from the trainer's
+merged weights (plain ``LlamaForCausalLM`` + ``load_state_dict``), vLLM's logprobs equal the trainer's
+recomputation, the sync payload differs from step 0's and the engine's probe moved with the trainer's. A sync
+turned into a no-op (``VLLMRollout.load_weights`` doing nothing) fails the next generation.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+pytest.importorskip("peft")
+pytest.importorskip("vllm")
+
+from hybridflow.config import load_config  # noqa: E402
+from hybridflow.protocol import DataProto  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+B, P, R, WORLD = 4, 6, 6, 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(sync: str):
+    return load_config(None, [
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.dtype=float32",
+        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        f"actor_rollout_ref.rollout.lora_sync={sync}", "actor_rollout_ref.rollout.do_sample=false",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=0.05", f"data.max_prompt_length={P}", f"data.max_response_length={R}",
+    ])
+
+
+def _prompts() -> DataProto:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 40, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[0, :2] = 0  # one left-padded row
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+def _batch(gen: DataProto) -> DataProto:
+    return DataProto.from_dict(tensors={k: gen.batch[k] for k in (
+        "input_ids", "attention_mask", "position_ids", "responses", "response_mask")})
+
+
+def _train(worker, gen: DataProto, step: int) -> None:
+    batch = _batch(gen)
+    batch.union(worker.compute_log_prob(batch))
+    batch.batch["advantages"] = torch.linspace(-1, 1, B)[:, None].expand(B, R).clone() * 5
+    batch.meta_info["global_step"] = step
+    worker.update_actor(batch)
+
+
+def _state(worker) -> tuple[dict, dict, torch.Tensor]:
+    """(sync payload, merged full state, trainer probe (1, L)) of the actor now; every rank takes part."""
+    from hybridflow.distributed import iter_full_state
+    from hybridflow.models import lora as lora_lib
+
+    payload = {k: v.clone() for k, v in worker._rollout_weights()}
+    scale = lora_lib.lora_scaling(worker.actor.module.peft_config["default"])
+    merged = {k: v.clone() for k, v in lora_lib.merge_lora_stream(iter_full_state(worker.actor.module), scale)}
+    module = worker.actor.module
+    probe = lora_lib.greedy_logprobs(module, lora_lib.probe_ids(module.config.vocab_size, "cpu"))[1]
+    return payload, merged, probe
+
+
+def _rank(rank: int, port: int, sync: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from hybridflow.models import lora_sync
+    from hybridflow.rollout.vllm_rollout import VLLMRollout
+    from hybridflow.workers.actor_worker import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(_config(sync))
+    worker.init_model(total_training_steps=4)
+    vocab = worker.actor.module.config.vocab_size
+    res = {"engine_lora": worker.rollout._adapter is not None}
+    res["payload0"], _, res["trainer_probe0"] = _state(worker)
+    res["engine_probe0"] = lora_sync.rollout_probe(worker.rollout, vocab)
+    prompts = _prompts()
+    _train(worker, worker.generate_sequences(prompts), step=0)
+    gen1 = worker.generate_sequences(prompts)  # syncs and verifies
+    res["sync"] = gen1.meta_info.get("sync_metrics")
+    res["engine_probe1"] = lora_sync.rollout_probe(worker.rollout, vocab)
+    res["payload1"], res["merged1"], res["trainer_probe1"] = _state(worker)
+    res["trainer_lp1"] = worker.compute_log_prob(_batch(gen1)).batch["old_log_probs"]
+    res["gen1"] = {k: gen1.batch[k] for k in ("responses", "rollout_log_probs", "response_mask")}
+    # a sync that delivers nothing: the next generation after an update must fail
+    _train(worker, gen1, step=1)
+    VLLMRollout.load_weights = lambda self, weights: [None for _ in weights]  # consumes (gathers), loads nothing
+    try:
+        worker.generate_sequences(prompts)
+    except RuntimeError as exc:
+        res["noop_error"] = str(exc)
+    worker.rollout.close()
+    if rank == 0:
+        torch.save(res, os.path.join(out, "rank0.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _hf_greedy(merged: dict) -> DataProto:
+    """Greedy responses of an hf rollout over the base architecture with the trainer's merged weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.models.builtin import resolve_model_path
+    from hybridflow.rollout import HFRollout
+    from hybridflow.workers.actor_worker import make_rollout_config
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-arith"), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(merged, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    rollout = HFRollout(model.eval(), make_rollout_config(_config("merged")), eos_token_id=2, pad_token_id=0)
+    return rollout.generate_sequences(_prompts())
+
+
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_lora_vllm_sync_verified_and_equal_to_hf(tmp_path, sync):
+    mp.spawn(_rank, args=(_free_port(), sync, str(tmp_path)), nprocs=WORLD, join=True)
+    res = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert res["engine_lora"] == (sync == "adapter")  # the engine holds a LoRA adapter only for adapter sync
+    # the payload: adapters only (peft names) or the base model's names; it changed with the update
+    names = set(res["payload1"])
+    if sync == "adapter":
+        assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    else:
+        assert not any("lora_" in n for n in names) and "model.layers.0.self_attn.q_proj.weight" in names
+    assert names == set(res["payload0"])
+    assert max(float((res["payload1"][n] - res["payload0"][n]).abs().max()) for n in names) > 1e-3
+    # the engine's probe (cut to its context, P + R - 1 tokens) equals the trainer's before and after, and it
+    # moved with the update
+    assert res["engine_probe0"].shape == (1, P + R - 1)
+    for step in ("0", "1"):
+        assert (res[f"engine_probe{step}"] - res[f"trainer_probe{step}"][:, : P + R - 1]).abs().max() <= 1e-4
+    assert (res["engine_probe1"] - res["engine_probe0"]).abs().max() > 1e-3
+    assert res["sync"]["sync/verified"] == 1.0 and res["sync"]["sync/probe_max_abs_diff"] <= 1e-4
+    # vLLM's greedy tokens equal the hf rollout's on the trainer's merged weights; its logprobs the trainer's
+    hf = _hf_greedy(res["merged1"])
+    assert torch.equal(res["gen1"]["responses"], hf.batch["responses"])
+    mask = res["gen1"]["response_mask"].bool()
+    assert (res["gen1"]["rollout_log_probs"] - res["trainer_lp1"])[mask].abs().max() <= 1e-4
+    # a no-op sync is caught at the next generation
+    assert "LoRA weight sync failed" in res.get("noop_error", ""), res.get("noop_error")
