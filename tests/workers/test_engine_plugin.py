@@ -2,8 +2,8 @@
 ``hybridflow train``: the engine is chosen by ``strategy=<name>`` for the actor and the critic, and the actor
 worker drives the rollout lifecycle generate -> sleep -> update -> wake -> load_weights -> generate every step.
 
-The plugin module (tests/workers/plugins/recording_parts.py) reaches the Ray workers through a ``sitecustomize``
-on ``PYTHONPATH`` that imports it in every Python process of the run.
+The plugin module (tests/workers/plugins/recording_parts.py) reaches the driver and every Ray worker through
+``trainer.plugins`` (a ``.py`` path).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PLUGIN_DIR = REPO / "tests" / "workers" / "plugins"
+PLUGIN = REPO / "tests" / "workers" / "plugins" / "recording_parts.py"  # imported everywhere via trainer.plugins
 STEPS = 2
 SMALL = [
     "data.builtin_train_size=16", "data.builtin_val_size=4", "data.train_batch_size=4",
@@ -32,21 +32,13 @@ SMALL = [
 
 
 def _train(tmp_path: Path, recipe: str, extra: list[str]) -> dict[int, list[str]]:
-    """Run ``hybridflow train`` in a subprocess with the plugin imported everywhere; return each process's
+    """Run ``hybridflow train`` in a subprocess with the plugin in ``trainer.plugins``; return each process's
     recorded events in order."""
-    site = tmp_path / "site"
-    site.mkdir()
-    # only the run's driver and its Ray workers import it (Ray's own helper processes start fast without torch)
-    (site / "sitecustomize.py").write_text(
-        "import sys\n"
-        "if 'hybridflow' in sys.orig_argv or any(a.endswith('default_worker.py') for a in sys.orig_argv):\n"
-        f"    sys.path.insert(0, {str(PLUGIN_DIR)!r})\n"
-        "    import recording_parts  # noqa: F401\n")
     record = tmp_path / "record.txt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                HYBRIDFLOW_TEST_RECORD=str(record))
     env.pop("RAY_ADDRESS", None)  # a cluster of its own
-    cmd = [sys.executable, "-m", "hybridflow", "train", recipe, *SMALL, *extra,
+    cmd = [sys.executable, "-m", "hybridflow", "train", recipe, *SMALL, *extra, f"trainer.plugins=[{PLUGIN}]",
            f"trainer.default_local_dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,8 +1,8 @@
 """Test plugin: a recording rollout backend (``recording``, the hf backend with its own weight copy) and a
 recording training engine (``recording_fsdp2``, the fsdp2 engine), both appending every lifecycle call to the
 file named by ``$HYBRIDFLOW_TEST_RECORD`` as ``<pid> <event>`` lines (one process per rank, so each pid's lines
-are that rank's order). Imported in every process of a run (driver and Ray workers) through a ``sitecustomize``
-on ``PYTHONPATH`` (tests/workers/test_engine_plugin.py), until ``trainer.plugins`` imports user modules.
+are that rank's order). Imported in every process of a run (driver and Ray workers) through ``trainer.plugins``
+(tests/workers/test_engine_plugin.py).
 """
 
 from __future__ import annotations
