@@ -54,6 +54,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
     "algorithm.filter_groups.on_limit": ("error", "train"),
+    "algorithm.recompute_old_log_prob": ("auto", "always"),
 }
 # keys that were accepted once and removed: setting one is an unknown key, with this hint
 REMOVED_KEYS: dict[str, str] = {
@@ -85,6 +86,9 @@ _POSITIVE = (  # counts that must be >= 1
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
     "algorithm.lagrangian.episode_cost_window_size",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
 )
 _POSITIVE_OR_NONE = ("data.val_batch_size", "trainer.total_training_steps", "trainer.ray_init.num_cpus")
 _POSITIVE_OR_DISABLED = ("trainer.save_freq", "trainer.test_freq")

@@ -22,6 +22,7 @@ import numpy as np
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
+from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                      compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
@@ -162,7 +163,8 @@ class PPOTrainer:
 
     def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
         """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
-        ran), reference logprobs (when a KL term needs them), old logprobs (unless ``algorithm.bypass_old_log_prob``),
+        ran), reference logprobs (when a KL term needs them), old logprobs (unless ``algorithm.bypass_old_log_prob`` or
+        they equal the update's own, :mod:`hybridflow.trainer.old_log_prob`),
         values, advantages, critic and actor updates (phase seconds into ``t``); returns the metrics."""
         if not scored:
             self.score(batch, t)
@@ -171,7 +173,7 @@ class PPOTrainer:
                 batch.union(self.actor.compute_ref_log_prob(batch))
         if self.config.algorithm.bypass_old_log_prob:  # the sampling policy's logprobs are pi_old: no forward
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-        else:
+        elif not old_log_prob_is_current(self.config):  # else the update uses its own detached logprobs
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
         if self.critic is not None:

@@ -128,7 +128,7 @@ class ActorRolloutRefWorker(Worker):
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
             scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
             self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad,
-                                  loss_scale_factor=scale)
+                                  loss_scale_factor=scale, use_remove_padding=cfg.model.use_remove_padding)
         if self._has_rollout:
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
@@ -149,12 +149,13 @@ class ActorRolloutRefWorker(Worker):
                     logger.warning("LoRA: the %s rollout receives merged weights but has no in-process module, so "
                                    "the sync is not checked by the probe (no sync/verified)", cfg.rollout.name)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
-            self.ref = PPOActor(self.actor.module, None, cfg.actor, SamplingSpec(sampling.temperature))
+            self.ref = PPOActor(self.actor.module, None, cfg.actor, SamplingSpec(sampling.temperature),
+                                use_remove_padding=cfg.model.use_remove_padding)
         elif self._has_ref:
             ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             ref.requires_grad_(False)
             self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor,
-                                SamplingSpec(sampling.temperature))
+                                SamplingSpec(sampling.temperature), use_remove_padding=cfg.model.use_remove_padding)
 
     def _build_hybrid_engine(self, mesh, rollout_cfg, eos) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
@@ -234,8 +235,9 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
         self._switch_to_training()
-        micro = self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        log_prob, entropy = self.actor.compute_log_prob(data, micro, calculate_entropy=True)
+        rollout = self.config.actor_rollout_ref.rollout
+        log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
+                                                        rollout.log_prob_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
@@ -243,11 +245,12 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
-        micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        ref = self.config.actor_rollout_ref.ref
         # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
         shares_actor = self._has_actor and self.ref.module is self.actor.module
         with self.actor.module.disable_adapter() if shares_actor else nullcontext():
-            log_prob, _ = self.ref.compute_log_prob(data, micro)
+            log_prob, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
+                                                    max_token_len=ref.log_prob_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")

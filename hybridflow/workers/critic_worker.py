@@ -51,7 +51,8 @@ class CriticWorker(Worker):
         module = apply_fsdp2(module.to(device), mesh)
         optimizer = build_optimizer(module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_training_steps)
-        self.critic = PPOCritic(module, optimizer, cfg, self.config.trainer.nonfinite_grad)
+        self.critic = PPOCritic(module, optimizer, cfg, self.config.trainer.nonfinite_grad,
+                                use_remove_padding=model_cfg.use_remove_padding)
         self._device = device
         self._offload()
 
@@ -81,7 +82,9 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
         with self._on_device(optimizer=False):
-            values = self.critic.compute_values(data, self.config.critic.forward_micro_batch_size_per_gpu)
+            cfg = self.config.critic
+            values = self.critic.compute_values(data, cfg.forward_micro_batch_size_per_gpu,
+                                                cfg.forward_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")

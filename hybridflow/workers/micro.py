@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from hybridflow.distributed import all_reduce_sum, clip_grad_norm
 from hybridflow.protocol import DataProto
+from hybridflow.workers.packing import packed_response_forward
 
 
-def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int) -> torch.Tensor:
+def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int,
+                     remove_padding: bool = False) -> torch.Tensor:
     """Run ``module`` over ``input_ids`` (B, P+R) and return the output rows that predict/score the response.
 
     Returns ``logits[:, -R-1:-1]``: (B, R, V) for a causal LM (position t predicts response token t), (B, R, 1)
@@ -29,7 +31,12 @@ def response_forward(module: torch.nn.Module, micro: DataProto, response_length:
     and response slots after the longest response (responses are padded to R, most end early). Positions are
     explicit (``position_ids``) and the model is causal, so the kept outputs are unchanged; the cut response slots
     (every row's padding) are returned as 0.
+
+    ``remove_padding`` (``model.use_remove_padding``): the same rows from one packed forward over the valid tokens
+    only (:func:`hybridflow.workers.packing.packed_response_forward`).
     """
+    if remove_padding:
+        return packed_response_forward(module, micro, response_length)
     batch = micro.batch
     mask = batch["attention_mask"]
     prompt_len = mask.shape[1] - response_length

@@ -14,6 +14,7 @@ from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.token_batches import gather_in_order, iter_micro_batches, micro_batch_indices
 
 
 class PPOActor:
@@ -34,10 +35,15 @@ class PPOActor:
         loss_scale_factor: the constant L of ``loss_agg_mode=seq-mean-token-sum-norm`` (Dr. GRPO); the worker
             passes ``actor.loss_scale_factor`` or ``data.max_response_length``. None: the response width R of
             the batch.
+        use_remove_padding: padding-free forwards (``model.use_remove_padding``, :mod:`hybridflow.workers.packing`).
+
+    With ``config.use_dynamic_bsz`` micro-batches are formed by a token budget (:mod:`hybridflow.workers.token_batches`):
+    ``actor.ppo_max_token_len_per_gpu`` in the update, the ``max_token_len`` argument of :meth:`compute_log_prob`.
     """
 
     def __init__(self, module: torch.nn.Module, optimizer, config, sampling: SamplingSpec,
-                 nonfinite_grad: str = "skip", loss_scale_factor: float | None = None) -> None:
+                 nonfinite_grad: str = "skip", loss_scale_factor: float | None = None,
+                 use_remove_padding: bool = False) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
         self.module = module
@@ -47,26 +53,33 @@ class PPOActor:
         self.config = config
         self.sampling = sampling
         self.skipped_steps = 0
+        self.use_remove_padding = use_remove_padding
 
     def _log_prob(self, micro: DataProto, calculate_entropy: bool):
         responses = micro.batch["responses"]
-        logits = response_forward(self.module, micro, responses.shape[1]).float()
+        logits = response_forward(self.module, micro, responses.shape[1], self.use_remove_padding).float()
         logits = sampling_logits(logits, self.sampling, keep=responses)
         log_prob = logprobs_from_logits(logits, responses)
         entropy = entropy_from_logits(logits) if calculate_entropy else None
         return log_prob, entropy
 
     @torch.no_grad()
-    def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False):
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False,
+                         max_token_len: int | None = None):
         """Log-probabilities of ``responses`` (B, R) fp32 under the current policy; also the entropy (B, R)
-        when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values."""
+        when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values. Micro-batches hold
+        ``micro_batch_size`` sequences, or with ``use_dynamic_bsz`` at most ``max_token_len`` tokens (a collective
+        over the dp ranks, see :mod:`hybridflow.workers.token_batches`)."""
         self.module.eval()
+        budget = max_token_len if self.config.use_dynamic_bsz else None
+        indices = micro_batch_indices(data, micro_batch_size, budget)
         log_probs, entropies = [], []
-        for micro in data.split(micro_batch_size):
-            log_prob, entropy = self._log_prob(micro, calculate_entropy)
+        for index in indices:
+            log_prob, entropy = self._log_prob(data[index] if index.numel() else data[:1], calculate_entropy)
             log_probs.append(log_prob)
             entropies.append(entropy)
-        return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+        log_prob = gather_in_order(log_probs, indices, len(data))
+        return log_prob, (gather_in_order(entropies, indices, len(data)) if calculate_entropy else None)
 
     def update_policy(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """PPO policy update over this rank's share of the batch.
@@ -81,6 +94,15 @@ class PPOActor:
         also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
         ``actor/is_weight_mean``, ``actor/is_weight_max`` and ``actor/is_weight_min`` (max/min over micro-batches,
         averaged over ranks).
+
+        Without ``old_log_probs`` (the driver skipped that forward: the samples come from exactly these weights and
+        this is the only update of the batch, :mod:`hybridflow.trainer.old_log_prob`) pi_old is the detached current
+        logprob (ratio 1, as verl and TRL do), and the update logs what that forward's metrics would have been.
+        Micro-batches hold ``actor.ppo_micro_batch_size_per_gpu`` sequences or, with ``use_dynamic_bsz``, at most
+        ``actor.ppo_max_token_len_per_gpu`` tokens (:mod:`hybridflow.workers.token_batches`).
+
+        Raises:
+            ValueError: no ``old_log_probs`` but more than one mini-batch or epoch.
         """
         cfg = self.config
         self.module.train()
@@ -88,30 +110,42 @@ class PPOActor:
         mode = cfg.loss_agg_mode
         sums: dict[str, float] = {}
         n_minis = 0
+        on_policy = "old_log_probs" not in data.batch
+        if on_policy and (cfg.ppo_epochs != 1 or len(data) > mini_batch_size):
+            raise ValueError("update_policy without old_log_probs needs one update per batch (ppo_epochs=1 and one "
+                             f"mini-batch), got ppo_epochs={cfg.ppo_epochs} and {len(data)} rows for mini-batches "
+                             f"of {mini_batch_size}")
         for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
             agg_kwargs = global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
             self.optimizer.zero_grad(set_to_none=True)
             stats: dict[str, float] = {}
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+            budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+            for micro, dummy in iter_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, budget):
                 b = micro.batch
                 mask, _ = self._loss_mask(b)
-                need_entropy = cfg.entropy_coeff != 0
+                need_entropy = cfg.entropy_coeff != 0 or on_policy
                 log_prob, entropy = self._log_prob(micro, need_entropy)
+                old_log_prob = log_prob.detach() if on_policy else b["old_log_probs"]
                 pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
-                    b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg,
+                    old_log_prob, log_prob, b["advantages"], mask, mode, cfg,
                     rollout_log_probs=b.get("rollout_log_probs"), **agg_kwargs
                 )
                 loss = pg_loss
-                if need_entropy:
+                if cfg.entropy_coeff != 0:
                     loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg_kwargs)
                 if cfg.use_kl_loss:
                     kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
                     kl_loss = agg_loss(kl, mask, mode, **agg_kwargs)
                     loss = loss + cfg.kl_loss_coef * kl_loss
                     _add(stats, "actor/kl_loss", kl_loss.item())
+                if dummy:  # keeps this rank's collectives in step with ranks that have more micro-batches
+                    (loss * 0.0).backward()
+                    continue
                 loss.backward()
                 frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
+                if on_policy:
+                    _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask, frac)
                 _add(stats, "actor/pg_loss", pg_loss.item())
                 _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
                 _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
@@ -148,6 +182,22 @@ class PPOActor:
             raise KeyError("actor.overlong_filter=true needs the rollout's per-response 'truncated' flag (B,) in "
                            f"the batch; got keys {sorted(batch.keys())}")
         return overlong_filter_mask(batch["response_mask"], batch["truncated"])
+
+
+def _add_on_policy_stats(stats: dict[str, float], b, log_prob: torch.Tensor, entropy: torch.Tensor,
+                         mask: torch.Tensor, frac: float) -> None:
+    """What the skipped old-logprob pass would have logged (``hybridflow.trainer.steps.compute_data_metrics``),
+    from the update's own forward: ``actor/entropy``, ``rollout/kl`` (with ``ref_log_prob``) and
+    ``rollout/logprob_diff_max`` (with ``rollout_log_probs``); token-weighted by ``frac`` like the losses."""
+    maskf = mask.float()
+    n = maskf.sum().clamp(min=1.0)
+    _add(stats, "actor/entropy", ((entropy * maskf).sum() / n).item() * frac)
+    if "ref_log_prob" in b:
+        _add(stats, "rollout/kl", (((log_prob - b["ref_log_prob"]) * maskf).sum() / n).item() * frac)
+    if "rollout_log_probs" in b:
+        diff = (b["rollout_log_probs"] - log_prob).abs()[mask.bool()]
+        stats["rollout/logprob_diff_max"] = max(stats.get("rollout/logprob_diff_max", 0.0),
+                                                diff.max().item() if diff.numel() else 0.0)
 
 
 def _add(d: dict[str, float], key: str, value: float) -> None:

@@ -11,13 +11,20 @@ from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.token_batches import gather_in_order, iter_micro_batches, micro_batch_indices
 
 
 class PPOCritic:
-    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank."""
+    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank.
 
-    def __init__(self, module: torch.nn.Module, optimizer, config, nonfinite_grad: str = "skip") -> None:
+    ``use_remove_padding``: padding-free forwards (``critic.model.use_remove_padding``); ``critic.use_dynamic_bsz``:
+    token-budget micro-batches (``critic.ppo_max_token_len_per_gpu`` in the update, the ``max_token_len`` argument of
+    :meth:`compute_values`; :mod:`hybridflow.workers.token_batches`)."""
+
+    def __init__(self, module: torch.nn.Module, optimizer, config, nonfinite_grad: str = "skip",
+                 use_remove_padding: bool = False) -> None:
         self.module = module
+        self.use_remove_padding = use_remove_padding
         self.nonfinite_grad = nonfinite_grad
         self.optimizer = optimizer
         self.config = config
@@ -25,14 +32,17 @@ class PPOCritic:
 
     def _values(self, micro: DataProto) -> torch.Tensor:
         responses = micro.batch["responses"]
-        return response_forward(self.module, micro, responses.shape[1]).squeeze(-1).float()
+        return response_forward(self.module, micro, responses.shape[1], self.use_remove_padding).squeeze(-1).float()
 
     @torch.no_grad()
-    def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
-        """V(s_t) for every response position, (B, R) fp32, zero at padded positions."""
+    def compute_values(self, data: DataProto, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
+        """V(s_t) for every response position, (B, R) fp32, zero at padded positions. With ``use_dynamic_bsz``,
+        micro-batches of at most ``max_token_len`` tokens (a collective over the dp ranks)."""
         self.module.eval()
-        values = torch.cat([self._values(m) for m in data.split(micro_batch_size)])
-        return values * data.batch["response_mask"]
+        budget = max_token_len if self.config.use_dynamic_bsz else None
+        indices = micro_batch_indices(data, micro_batch_size, budget)
+        values = [self._values(data[i] if i.numel() else data[:1]) for i in indices]
+        return gather_in_order(values, indices, len(data)) * data.batch["response_mask"]
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression towards ``returns`` (B, R); ``values`` (B, R) are the rollout-time values.
@@ -45,13 +55,17 @@ class PPOCritic:
             agg_kwargs = global_agg_kwargs(mini, mini.batch["responses"].shape[1])
             self.optimizer.zero_grad(set_to_none=True)
             stats: dict[str, float] = {}
-            for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+            budget = cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None
+            for micro, dummy in iter_micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, budget):
                 b = micro.batch
                 mask = b["response_mask"]
                 vpreds = self._values(micro)
                 vf_loss, vf_clipfrac = compute_value_loss(
                     vpreds, b["returns"], b["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg_kwargs
                 )
+                if dummy:  # keeps this rank's collectives in step with ranks that have more micro-batches
+                    (vf_loss * 0.0).backward()
+                    continue
                 vf_loss.backward()
                 frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
                 stats["critic/vf_loss"] = stats.get("critic/vf_loss", 0.0) + vf_loss.item()

@@ -25,6 +25,7 @@ from hybridflow.distributed import apply_fsdp2, build_mesh, init_distributed, re
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.models.builtin import resolve_model_path
 from hybridflow.protocol import DataProto
+from hybridflow.workers.packing import packed_forward
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
@@ -127,6 +128,8 @@ class RewardModelWorker(Worker):
     @torch.no_grad()
     def _scores(self, micro: DataProto) -> torch.Tensor:
         b = micro.batch
+        if self.config[self.role].model.use_remove_padding:  # one packed row of the valid tokens
+            return last_token_scores(packed_forward(self.module, micro).squeeze(-1), b["attention_mask"])
         out = self.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                           position_ids=b["position_ids"], use_cache=False)
         return last_token_scores(out.logits.squeeze(-1), b["attention_mask"])
