@@ -29,7 +29,8 @@ from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.controller import Dispatch, Execute, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, open_store
-from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model, resolve_dtype
+from hybridflow.distributed import build_mesh, init_distributed, iter_full_state, parallelize_model
+from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.engine import HybridEngine
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.models import lora as lora_lib
@@ -112,7 +113,9 @@ class ActorRolloutRefWorker(Worker):
         mesh = build_mesh(dp=self.dp_size, tp=tp)
         dp_rank, tp_rank = divmod(self.rank, tp)
         self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0)
-        dtype = resolve_dtype(cfg.model.dtype, self.device)
+        # auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (hybridflow.distributed.precision)
+        dtype, compute = training_dtypes(cfg.model.dtype, self.device)
+        mp_policy = mixed_precision_policy(compute)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
         # the distribution the rollout samples from, which the actor's logprobs are taken under (see PPOActor)
@@ -123,7 +126,7 @@ class ActorRolloutRefWorker(Worker):
                 module = lora_lib.apply_lora(module, cfg.model)
             if cfg.model.enable_gradient_checkpointing:
                 module.gradient_checkpointing_enable()
-            module = parallelize_model(module.to(self.device), mesh)
+            module = parallelize_model(module.to(self.device), mesh, mp_policy=mp_policy)
             optimizer = build_optimizer(module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(optimizer, cfg.actor.optim, total_training_steps)
             scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
@@ -154,7 +157,7 @@ class ActorRolloutRefWorker(Worker):
         elif self._has_ref:
             ref = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             ref.requires_grad_(False)
-            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh), None, cfg.actor,
+            self.ref = PPOActor(parallelize_model(ref.to(self.device), mesh, mp_policy=mp_policy), None, cfg.actor,
                                 SamplingSpec(sampling.temperature), use_remove_padding=cfg.model.use_remove_padding)
 
     def _build_hybrid_engine(self, mesh, rollout_cfg, eos) -> None:

@@ -10,7 +10,8 @@ import torch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed import (apply_fsdp2, build_mesh, init_distributed, offload_module, offload_optimizer,
-                                    onload_module, onload_optimizer, resolve_dtype)
+                                    onload_module, onload_optimizer)
+from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.models.hf import load_value_model
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
@@ -44,11 +45,11 @@ class CriticWorker(Worker):
         mesh = build_mesh(dp=self.world_size)
         self._register_dispatch_collect_info("critic", dp_rank=self.rank, is_collect=True)
         model_cfg = cfg.model if cfg.model.path else self.config.actor_rollout_ref.model
-        dtype = resolve_dtype(model_cfg.dtype, device)
+        dtype, compute = training_dtypes(model_cfg.dtype, device)  # hybridflow.distributed.precision
         module = load_value_model(model_cfg.path, dtype, model_cfg.trust_remote_code)
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable()
-        module = apply_fsdp2(module.to(device), mesh)
+        module = apply_fsdp2(module.to(device), mesh, mp_policy=mixed_precision_policy(compute))
         optimizer = build_optimizer(module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(optimizer, cfg.optim, total_training_steps)
         self.critic = PPOCritic(module, optimizer, cfg, self.config.trainer.nonfinite_grad,

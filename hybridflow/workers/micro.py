@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridflow.distributed import all_reduce_sum, clip_grad_norm
 from hybridflow.protocol import DataProto
-from hybridflow.workers.packing import packed_response_forward
+from hybridflow.workers.packing import packed_response_forward, padded_columns
 
 
 def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int,
@@ -40,10 +40,8 @@ def response_forward(module: torch.nn.Module, micro: DataProto, response_length:
     batch = micro.batch
     mask = batch["attention_mask"]
     prompt_len = mask.shape[1] - response_length
-    used = mask.bool().any(dim=0).nonzero().flatten()
-    first = min(int(used[0]), prompt_len - 1) if used.numel() else 0
-    kept = max(1, int(used[-1]) + 1 - prompt_len) if used.numel() else response_length
-    end = prompt_len + kept
+    first, end = padded_columns(mask, response_length)
+    kept = end - prompt_len
     out = module(
         input_ids=batch["input_ids"][:, first:end],
         attention_mask=mask[:, first:end],

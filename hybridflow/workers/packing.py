@@ -86,6 +86,37 @@ def pack(micro: DataProto) -> Packed:
     )
 
 
+def padded_columns(mask: torch.Tensor, response_length: int) -> tuple[int, int]:
+    """The columns ``[first, end)`` of a padded forward over ``mask`` (B, P+R): left padding common to every prompt
+    and response slots after the longest response are cut (at least the last prompt column and one response column
+    stay)."""
+    prompt_len = mask.shape[1] - response_length
+    used = mask.bool().any(dim=0).nonzero().flatten()
+    if not used.numel():
+        return 0, mask.shape[1]
+    first = min(int(used[0]), prompt_len - 1)
+    return first, prompt_len + max(1, int(used[-1]) + 1 - prompt_len)
+
+
+def computed_tokens(micro: DataProto, response_length: int, remove_padding: bool) -> tuple[int, int]:
+    """``(computed, valid)`` token counts of one micro-batch forward: the valid tokens (``attention_mask`` ones) and
+    the tokens the forward computes (the same when packed, else B x the kept columns of :func:`padded_columns`)."""
+    mask = micro.batch["attention_mask"]
+    valid = int(mask.sum())
+    if remove_padding:
+        return valid, valid
+    first, end = padded_columns(mask, response_length)
+    return mask.shape[0] * (end - first), valid
+
+
+def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remove_padding: bool) -> None:
+    """Add a training micro-batch's :func:`computed_tokens` to ``stats`` as ``perf/<role>_computed_tokens`` and
+    ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that benchmarks/step_profile.py reports)."""
+    computed, valid = computed_tokens(micro, micro.batch["responses"].shape[1], remove_padding)
+    stats[f"perf/{role}_computed_tokens"] = stats.get(f"perf/{role}_computed_tokens", 0.0) + computed
+    stats[f"perf/{role}_valid_tokens"] = stats.get(f"perf/{role}_valid_tokens", 0.0) + valid
+
+
 def use_varlen_attention(module: torch.nn.Module) -> bool:
     """Make ``module`` attend with :func:`varlen_sdpa_attention` unless it runs a flash-attention kernel (which has
     its own varlen path). Returns True when the module's attention is now ``hybridflow_varlen``."""

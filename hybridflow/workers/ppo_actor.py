@@ -14,6 +14,7 @@ from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.packing import add_token_counts
 from hybridflow.workers.token_batches import gather_in_order, iter_micro_batches, micro_batch_indices
 
 
@@ -143,6 +144,7 @@ class PPOActor:
                     (loss * 0.0).backward()
                     continue
                 loss.backward()
+                add_token_counts(stats, "actor", micro, self.use_remove_padding)
                 frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
                 if on_policy:
                     _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask, frac)

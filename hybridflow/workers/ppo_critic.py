@@ -11,6 +11,7 @@ from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.workers.micro import apply_gradients, global_agg_kwargs, mini_batches, response_forward
+from hybridflow.workers.packing import add_token_counts
 from hybridflow.workers.token_batches import gather_in_order, iter_micro_batches, micro_batch_indices
 
 
@@ -67,6 +68,7 @@ class PPOCritic:
                     (vf_loss * 0.0).backward()
                     continue
                 vf_loss.backward()
+                add_token_counts(stats, "critic", micro, self.use_remove_padding)
                 frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
                 stats["critic/vf_loss"] = stats.get("critic/vf_loss", 0.0) + vf_loss.item()
                 stats["critic/vf_clipfrac"] = stats.get("critic/vf_clipfrac", 0.0) + vf_clipfrac.item() * frac
