@@ -128,7 +128,8 @@ def run_trl(args, path: str, threads: int) -> dict:
         trainer = GRPOTrainer(model=model, reward_funcs=gsm8k_reward, args=config, train_dataset=dataset,
                               processing_class=load_tokenizer(path), callbacks=[timer])
         trainer.train()
-    return {**_summary(timer.seconds[1:], timer.tokens[1:], timer.rewards[1:]), "torch_threads": torch.get_num_threads()}
+    summary = _summary(timer.seconds[1:], timer.tokens[1:], timer.rewards[1:])
+    return {**summary, "torch_threads": torch.get_num_threads()}
 
 
 def _summary(seconds: list[float], tokens: list[float], rewards: list[float]) -> dict:

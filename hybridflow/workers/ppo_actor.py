@@ -38,7 +38,8 @@ class PPOActor:
             the batch.
         use_remove_padding: padding-free forwards (``model.use_remove_padding``, :mod:`hybridflow.workers.packing`).
 
-    With ``config.use_dynamic_bsz`` micro-batches are formed by a token budget (:mod:`hybridflow.workers.token_batches`):
+    With ``config.use_dynamic_bsz`` micro-batches are formed by a token budget
+    (:mod:`hybridflow.workers.token_batches`):
     ``actor.ppo_max_token_len_per_gpu`` in the update, the ``max_token_len`` argument of :meth:`compute_log_prob`.
     """
 
@@ -111,11 +112,7 @@ class PPOActor:
         mode = cfg.loss_agg_mode
         sums: dict[str, float] = {}
         n_minis = 0
-        on_policy = "old_log_probs" not in data.batch
-        if on_policy and (cfg.ppo_epochs != 1 or len(data) > mini_batch_size):
-            raise ValueError("update_policy without old_log_probs needs one update per batch (ppo_epochs=1 and one "
-                             f"mini-batch), got ppo_epochs={cfg.ppo_epochs} and {len(data)} rows for mini-batches "
-                             f"of {mini_batch_size}")
+        on_policy = _on_policy(data, cfg.ppo_epochs, mini_batch_size)
         for mini in mini_batches(data, mini_batch_size, cfg.ppo_epochs, cfg.shuffle, seed):
             scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
             agg_kwargs = global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
@@ -136,14 +133,15 @@ class PPOActor:
                 if cfg.entropy_coeff != 0:
                     loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg_kwargs)
                 if cfg.use_kl_loss:
-                    kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
-                    kl_loss = agg_loss(kl, mask, mode, **agg_kwargs)
+                    kl_loss = agg_loss(kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type), mask, mode,
+                                       **agg_kwargs)
                     loss = loss + cfg.kl_loss_coef * kl_loss
-                    _add(stats, "actor/kl_loss", kl_loss.item())
                 if dummy:  # keeps this rank's collectives in step with ranks that have more micro-batches
                     (loss * 0.0).backward()
                     continue
                 loss.backward()
+                if cfg.use_kl_loss:
+                    _add(stats, "actor/kl_loss", kl_loss.item())
                 add_token_counts(stats, "actor", micro, self.use_remove_padding)
                 frac = mask.sum().item() / max(agg_kwargs["num_tokens"], 1.0)
                 if on_policy:
@@ -153,11 +151,7 @@ class PPOActor:
                 _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
                 _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
                 if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
-                    w = torch.exp((log_prob.detach() - b["rollout_log_probs"]).clamp(max=20.0))[mask.bool()]
-                    if w.numel():
-                        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
-                        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
-                        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
+                    _add_is_weight_stats(stats, b["rollout_log_probs"], log_prob.detach(), mask, frac)
             grad_norm, skipped = apply_gradients(self.module, self.optimizer, cfg.grad_clip, self.nonfinite_grad,
                                                  "actor")
             self.skipped_steps += int(skipped)
@@ -184,6 +178,33 @@ class PPOActor:
             raise KeyError("actor.overlong_filter=true needs the rollout's per-response 'truncated' flag (B,) in "
                            f"the batch; got keys {sorted(batch.keys())}")
         return overlong_filter_mask(batch["response_mask"], batch["truncated"])
+
+
+def _on_policy(data: DataProto, epochs: int, mini_batch_size: int) -> bool:
+    """True when ``data`` has no ``old_log_probs`` (pi_old = the update's own detached logprobs).
+
+    Raises:
+        ValueError: no ``old_log_probs`` but more than one optimizer step on the batch (later steps would need the
+            logprobs of the weights before the first one).
+    """
+    if "old_log_probs" in data.batch:
+        return False
+    if epochs != 1 or len(data) > mini_batch_size:
+        raise ValueError("update_policy without old_log_probs needs one update per batch (ppo_epochs=1 and one "
+                         f"mini-batch), got ppo_epochs={epochs} and {len(data)} rows for mini-batches of "
+                         f"{mini_batch_size}")
+    return True
+
+
+def _add_is_weight_stats(stats: dict[str, float], rollout_log_probs: torch.Tensor, log_prob: torch.Tensor,
+                         mask: torch.Tensor, frac: float) -> None:
+    """``actor/is_weight_mean`` (token-weighted by ``frac``), ``_max`` and ``_min`` of pi_theta / mu over the valid
+    tokens of ``mask`` (B, R)."""
+    w = torch.exp((log_prob - rollout_log_probs).clamp(max=20.0))[mask.bool()]
+    if w.numel():
+        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
+        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
+        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
 
 
 def _add_on_policy_stats(stats: dict[str, float], b, log_prob: torch.Tensor, entropy: torch.Tensor,

@@ -142,7 +142,8 @@ def test_gradient_and_logged_loss_independent_of_micro_and_dp_split(mode, overlo
         torch.testing.assert_close(micro_split[name], ref[name], atol=1e-6, rtol=0)
     assert max(v.abs().max() for v in ref.values()) > 1e-4  # the test is not vacuous
     assert metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
-    budget_split, budget_metrics = _delta(_actor(_model(), _config(mode, B, overlong_filter, budget=BUDGET)), _batch(), B)
+    budget_actor = _actor(_model(), _config(mode, B, overlong_filter, budget=BUDGET))
+    budget_split, budget_metrics = _delta(budget_actor, _batch(), B)
     for name in ref:
         torch.testing.assert_close(budget_split[name], ref[name], atol=1e-6, rtol=0)
     assert budget_metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
