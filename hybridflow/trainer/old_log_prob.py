@@ -44,7 +44,7 @@ def old_log_prob_is_current(config) -> bool:
     ``data.train_batch_size`` and the actor model's dropout (``lora_dropout`` and the checkpoint config)."""
     alg, actor = config.algorithm, config.actor_rollout_ref.actor
     model = config.actor_rollout_ref.model
-    if alg.recompute_old_log_prob != "auto" or alg.driver not in _SYNC_DRIVERS:
+    if config.algorithm.recompute_old_log_prob != "auto" or alg.driver not in _SYNC_DRIVERS:
         return False
     if alg.bypass_old_log_prob or alg.use_kl_in_reward:
         return False
