@@ -20,45 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
-import time
+
+from hybridflow.distributed.precision import matmul_rate
 
 PHASES = {"generate": "gen", "reward": "reward", "reference": "ref", "old_log_prob": "old_log_prob",
           "values": "values", "advantages": "adv", "critic_update": "update_critic", "actor_update": "update_actor"}
 # phase -> (FLOPs per token in units of N, whose padding fraction applies: actor, critic or None = valid tokens)
 PHASE_FLOPS = {"generate": (2, None), "reference": (2, "actor"), "old_log_prob": (2, "actor"),
                "values": (2, "critic"), "critic_update": (6, "critic"), "actor_update": (6, "actor")}
-MATMUL_SIZE = 1024
-
-
-def _matmul_worker(seconds: float, size: int, queue) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
-    n, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        n += 1
-    queue.put(2 * size ** 3 * n / (time.perf_counter() - start))
-
-
-def matmul_rate(processes: int, seconds: float = 2.0, size: int = MATMUL_SIZE) -> float:
-    """FLOP/s of ``processes`` one-thread processes multiplying fp32 ``size`` x ``size`` matrices at once (summed):
-    the rate the training ranks could reach at best."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_matmul_worker, args=(seconds, size, queue)) for _ in range(processes)]
-    for p in procs:
-        p.start()
-    rates = [queue.get() for _ in procs]
-    for p in procs:
-        p.join()
-    return float(sum(rates))
+MATMUL_SIZE = 1024  # the fp32 matmul of the reference rate
 
 
 def padding_fraction(rows: list[dict], role: str) -> float | None:
@@ -110,7 +83,7 @@ def main() -> None:
     rows, cfg, params = _run(args)
     steady = rows[1:] or rows
     ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    rate = matmul_rate(ranks)
+    rate = matmul_rate(ranks, size=MATMUL_SIZE)
 
     def avg(key: str) -> float:
         return statistics.mean(r.get(key, 0.0) for r in steady)

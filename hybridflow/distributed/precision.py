@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing as mp
 import os
 import time
 from typing import Callable
@@ -97,3 +98,28 @@ def mixed_precision_policy(compute: torch.dtype | None):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def _matmul_loop(seconds: float, size: int, queue) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        n += 1
+    queue.put(2 * size ** 3 * n / (time.perf_counter() - start))
+
+
+def matmul_rate(processes: int, seconds: float = 2.0, size: int = 1024) -> float:
+    """FLOP/s of ``processes`` one-thread processes multiplying fp32 ``size`` x ``size`` matrices at once (summed):
+    the best rate ranks with that process/thread layout can reach (benchmarks/step_profile.py's reference)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_matmul_loop, args=(seconds, size, queue)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    rates = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return float(sum(rates))
