@@ -21,6 +21,7 @@ Shapes: B sequences, P prompt width, R response width, T valid tokens, V vocabul
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -131,27 +132,53 @@ def use_varlen_attention(module: torch.nn.Module) -> bool:
     return True
 
 
+def _packed_outputs(module: torch.nn.Module, micro: DataProto,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Packed]:
+    """(outputs (T, V) of one packed forward, the packing). ``keep`` (K,) long: packed positions whose outputs are
+    needed; a causal LM then runs its output head on those only (transformers' ``logits_to_keep``) and the outputs
+    are (K, V)."""
+    packed = pack(micro)
+    varlen = {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
+              "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
+    if keep is not None:
+        varlen["logits_to_keep"] = keep
+    # a 1x1x1x1 mask is taken as "already prepared" by transformers (no (T, T) mask is built); the varlen attention
+    # ignores it. Flash attention gets no mask: its varlen path reads cu_seq_lens.
+    device = packed.input_ids.device
+    dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if use_varlen_attention(module) else None
+    out = module(input_ids=packed.input_ids, attention_mask=dummy, position_ids=packed.position_ids, use_cache=False,
+                 **varlen).logits[0]
+    return out, packed
+
+
 def packed_forward(module: torch.nn.Module, micro: DataProto) -> torch.Tensor:
     """``module``'s outputs for every token of ``micro`` (B, P+R) from one packed (1, T) forward: (B, P+R, V),
     0 at padded positions (their outputs are never used). The module must accept ``position_ids`` and pass extra
     kwargs on to its attention (every transformers decoder does)."""
     mask = micro.batch["attention_mask"]
-    packed = pack(micro)
-    varlen = {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
-              "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
-    # a 1x1x1x1 mask is taken as "already prepared" by transformers (no (T, T) mask is built); the varlen attention
-    # ignores it. Flash attention gets no mask: its varlen path reads cu_seq_lens.
-    dummy = None if not use_varlen_attention(module) else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=mask.device)
-    out = module(input_ids=packed.input_ids, attention_mask=dummy, position_ids=packed.position_ids, use_cache=False,
-                 **varlen).logits[0]  # (T, V)
-    full = out.new_zeros(mask.numel(), out.shape[-1])
-    full = full.index_copy(0, packed.flat_index, out)
+    out, packed = _packed_outputs(module, micro)
+    full = out.new_zeros(mask.numel(), out.shape[-1]).index_copy(0, packed.flat_index, out)
     return full.view(*mask.shape, out.shape[-1])
 
 
 def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_length: int) -> torch.Tensor:
     """:func:`hybridflow.workers.micro.response_forward` without padding: the same (B, R, V) output rows
-    (``logits[:, P-1 : P+R-1]``: position t predicts/scores response token t) from :func:`packed_forward`.
-    Rows whose input token is padding are 0 (the padded path leaves arbitrary finite values there)."""
-    prompt_len = micro.batch["attention_mask"].shape[1] - response_length
-    return packed_forward(module, micro)[:, prompt_len - 1: -1]
+    (``logits[:, P-1 : P+R-1]``: position t predicts/scores response token t) from one packed forward; only those
+    rows are materialised. Rows whose input token is padding are 0 (the padded path leaves arbitrary finite values
+    there)."""
+    mask = micro.batch["attention_mask"]
+    rows, width = mask.shape
+    prompt_len = width - response_length
+    flat_index = mask.bool().flatten().nonzero().flatten()
+    row, col = flat_index // width, flat_index % width
+    keep = (col >= prompt_len - 1) & (col < width - 1)  # the tokens whose output predicts/scores a response slot
+    head_only = _accepts_logits_to_keep(module)
+    out, _ = _packed_outputs(module, micro, keep.nonzero().flatten() if head_only else None)
+    out = out if head_only else out[keep]
+    result = out.new_zeros(rows * response_length, out.shape[-1])
+    target = row[keep] * response_length + col[keep] - (prompt_len - 1)
+    return result.index_copy(0, target, out).view(rows, response_length, out.shape[-1])
+
+
+def _accepts_logits_to_keep(module: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(type(module).forward).parameters
