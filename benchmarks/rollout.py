@@ -75,8 +75,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         path = resolve_benchmark_model(args.model, work)
         results, prompts = _measure_backends(args, path)
+        params = parameter_count(path)
     summary = {
-        "benchmark": "rollout", "shape": args.shape, "model": args.model, "parameters": parameter_count(path),
+        "benchmark": "rollout", "shape": args.shape, "model": args.model, "parameters": params,
         "prompts": args.prompts, "samples_per_prompt": args.n, "response_length": args.response_length,
         "prompt_tokens_padded": prompts.batch["input_ids"].shape[1],
         "sampling": {"temperature": args.temperature, "top_p": 1.0, "top_k": -1, "seed": args.seed},
