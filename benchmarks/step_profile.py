@@ -1,55 +1,114 @@
-"""Where a quickstart PPO step spends its time.
+"""Where a quickstart PPO step spends its time, and how close each phase runs to the machine's matmul rate.
 
-Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON object: seconds per phase
-(driver wall time: generate, reward, reference, old logprobs, values, advantages, critic update, actor update),
-the same phases measured inside the workers, and the controller's own overhead (step time not spent inside a
-worker method: dispatch, serialization, object store, driver math) as a fraction of the step. Steps after the
-first are averaged (the first includes warm-up).
+Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON line: seconds per phase (driver
+wall time: generate, reward, reference, old logprobs, values, advantages, critic update, actor update), the same
+phases measured inside the workers, the controller's own overhead (step time not spent inside a worker method:
+dispatch, serialization, object store, driver math) as a fraction of the step, and per phase the FLOPs, the
+achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in the same run with the same process/thread
+layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
+includes warm-up).
 
-    python benchmarks/step_profile.py [--steps 4] [key=value ...]
+FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
+(attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
+padding the padded path computes: ``padding_frac`` of the computed tokens, from the actor/critic updates'
+``perf/*_computed_tokens``); generation counts the valid prompt and response tokens (useful FLOPs).
+
+    python benchmarks/step_profile.py [--steps 4] [--model builtin:tiny-arith|medium|DIR] [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 
-from hybridflow.config import load_config
-from hybridflow.trainer.main import run_ppo
+from hybridflow.distributed.precision import matmul_rate
 
 PHASES = {"generate": "gen", "reward": "reward", "reference": "ref", "old_log_prob": "old_log_prob",
           "values": "values", "advantages": "adv", "critic_update": "update_critic", "actor_update": "update_actor"}
+# phase -> (FLOPs per token in units of N, whose padding fraction applies: actor, critic or None = valid tokens)
+PHASE_FLOPS = {"generate": (2, None), "reference": (2, "actor"), "old_log_prob": (2, "actor"),
+               "values": (2, "critic"), "critic_update": (6, "critic"), "actor_update": (6, "actor")}
+MATMUL_SIZE = 1024  # the fp32 matmul of the reference rate
+
+
+def padding_fraction(rows: list[dict], role: str) -> float | None:
+    """1 - valid / computed tokens of ``role``'s training forwards over ``rows`` (None when not logged)."""
+    computed = sum(r.get(f"perf/{role}_computed_tokens", 0.0) for r in rows)
+    valid = sum(r.get(f"perf/{role}_valid_tokens", 0.0) for r in rows)
+    return 1.0 - valid / computed if computed else None
+
+
+def phase_flops(params: int, sequences: int, tokens_per_sequence: float, epochs: int,
+                padding: dict[str, float | None]) -> dict[str, float]:
+    """FLOPs per step of each phase of :data:`PHASE_FLOPS` for ``sequences`` sequences of ``tokens_per_sequence``
+    valid tokens (updates: ``epochs`` passes), computed tokens = valid / (1 - padding fraction of the role)."""
+    flops = {}
+    for phase, (per_token, role) in PHASE_FLOPS.items():
+        frac = padding.get(role) if role else 0.0
+        if frac is None:
+            continue
+        passes = epochs if phase.endswith("update") else 1
+        flops[phase] = per_token * params * sequences * tokens_per_sequence * passes / (1.0 - frac)
+    return flops
+
+
+def _run(args) -> tuple[list[dict], object, int]:
+    from hybridflow.config import load_config
+    from hybridflow.models.presets import parameter_count, resolve_benchmark_model
+    from hybridflow.trainer.main import run_ppo
+
+    with tempfile.TemporaryDirectory() as out:
+        model = [f"actor_rollout_ref.model.path={resolve_benchmark_model(args.model, out)}"] if args.model else []
+        cfg = load_config("quickstart", [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
+                                         "trainer.val_before_train=false", f"trainer.default_local_dir={out}",
+                                         "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
+                                         *args.overrides])
+        params = parameter_count(cfg.actor_rollout_ref.model.path)
+        run_ppo(cfg)
+        with open(f"{out}/metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+    return rows, cfg, params
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", default=None, help="a preset (medium), builtin:NAME or a local HF directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        cfg = load_config("quickstart", [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
-                                         "trainer.val_before_train=false", f"trainer.default_local_dir={out}",
-                                         "trainer.logger=[jsonl]", *args.overrides])
-        run_ppo(cfg)
-        with open(f"{out}/metrics.jsonl") as f:
-            rows = [json.loads(line) for line in f]
+    load_before = os.getloadavg()
+    rows, cfg, params = _run(args)
     steady = rows[1:] or rows
+    ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    rate = matmul_rate(ranks, size=MATMUL_SIZE)
 
     def avg(key: str) -> float:
         return statistics.mean(r.get(key, 0.0) for r in steady)
 
-    result = {
-        "steps_measured": len(steady),
-        "step_s": avg("timing_s/step"),
-        "phase_s": {name: avg(f"timing_s/{key}") for name, key in PHASES.items()},
+    phase_s = {name: avg(f"timing_s/{key}") for name, key in PHASES.items()}
+    sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    tokens = avg("prompt_length/mean") + avg("response_length/mean")
+    padding = {role: padding_fraction(steady, role) for role in ("actor", "critic")}
+    flops = phase_flops(params, sequences, tokens, cfg.actor_rollout_ref.actor.ppo_epochs, padding)
+    achieved = {k: v / phase_s[k] / 1e9 for k, v in flops.items() if phase_s.get(k)}
+    print(json.dumps({
+        "benchmark": "step_profile", "model": cfg.actor_rollout_ref.model.path, "parameters": params,
+        "overrides": args.overrides, "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()], "ranks": ranks,
+        "steps_measured": len(steady), "step_s": avg("timing_s/step"), "phase_s": phase_s,
         "worker_s": {k.split("/", 1)[1]: avg(k) for k in steady[0] if k.startswith("timing_worker_s/")},
         "controller_overhead_frac": avg("timing_s/controller_overhead_frac"),
         "tokens_per_s": avg("perf/throughput"),
         "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch
-    }
-    print(json.dumps(result, indent=2))
+        "padding_frac": padding,
+        "phase_gflop": {k: v / 1e9 for k, v in flops.items()},
+        "phase_gflop_per_s": achieved,
+        "matmul_gflop_per_s": rate / 1e9, "matmul_size": MATMUL_SIZE,
+        "phase_matmul_fraction": {k: v * 1e9 / rate for k, v in achieved.items()},
+    }))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """Shared fixtures: one local Ray session (CPU only) for every in-process test that needs Ray."""
 
+import os
+
 import pytest
 import ray
+
+# model.dtype=auto stays fp32 in tests on every CPU (no bf16 probe; hybridflow.distributed.precision); set before
+# any Ray worker starts, so workers inherit it
+os.environ.setdefault("HYBRIDFLOW_AUTO_DTYPE_PROBE", "0")
 
 
 @pytest.fixture(scope="session")

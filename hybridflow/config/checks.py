@@ -54,7 +54,8 @@ def batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
 
     ``data.train_batch_size`` prompts are split into mini-batches of ``ppo_mini_batch_size`` prompts; each
     mini-batch holds ``ppo_mini_batch_size * rollout.n`` sequences, split evenly over the
-    ``n_gpus_per_node * nnodes`` ranks and on each rank into micro-batches of ``ppo_micro_batch_size_per_gpu``.
+    ``n_gpus_per_node * nnodes`` ranks and on each rank into micro-batches of ``ppo_micro_batch_size_per_gpu``
+    (with ``use_dynamic_bsz``: of a token budget, so the micro-batch size need not divide anything).
     """
     train_batch, n = get("data.train_batch_size"), get("actor_rollout_ref.rollout.n")
     n_gpus, nnodes = get("trainer.n_gpus_per_node"), get("trainer.nnodes")
@@ -71,7 +72,7 @@ def batch_problems(get: Callable[[str], Any], role: str) -> list[str]:
         problems.append(f"{role}.ppo_mini_batch_size * actor_rollout_ref.rollout.n = {mini} * {n} = {sequences} "
                         f"sequences must be divisible by the {world} ranks "
                         f"(trainer.n_gpus_per_node * trainer.nnodes = {n_gpus} * {nnodes})")
-    elif (sequences // world) % micro:
+    elif not get(f"{role}.use_dynamic_bsz") and (sequences // world) % micro:  # token budgets: micro unused
         problems.append(f"{role}.ppo_micro_batch_size_per_gpu ({micro}) must divide the per-rank mini-batch "
                         f"of {sequences // world} sequences "
                         f"(ppo_mini_batch_size * rollout.n / ranks = {mini} * {n} / {world})")

@@ -58,6 +58,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
     "algorithm.filter_groups.on_limit": ("error", "train"),
+    "algorithm.recompute_old_log_prob": ("auto", "always"),
 }
 # keys that were accepted once and removed: setting one is an unknown key, with this hint
 REMOVED_KEYS: dict[str, str] = {
@@ -92,6 +93,9 @@ _POSITIVE = (  # counts that must be >= 1
     "algorithm.lagrangian.episode_cost_window_size",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu",
+    "critic.forward_max_token_len_per_gpu",
 )
 _POSITIVE_OR_NONE = ("actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn", "data.val_batch_size",
                      "trainer.total_training_steps", "trainer.ray_init.num_cpus")

@@ -38,7 +38,12 @@ class FSDPConfig:
 class ModelConfig:
     path: str = "builtin:tiny-arith"  # local HF model directory, or builtin:tiny-arith (shipped with hybridflow)
     tokenizer_path: Optional[str] = None  # defaults to path
-    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
+    # auto: bf16 on GPU; on CPU bf16 compute over fp32 master weights when a start-up matmul probe finds bf16 faster,
+    # else fp32 (README "Performance") | float32 | bfloat16 | float16
+    dtype: str = "auto"
+    # padding-free training forwards: a micro-batch's valid tokens packed into one row (verl's key; actor, reference,
+    # critic and reward/cost models read their own section's)
+    use_remove_padding: bool = False
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     trust_remote_code: bool = False  # passed to transformers
     # LoRA through peft (Hu et al. 2021; README "LoRA"); for actor_rollout_ref.model and critic.model
@@ -54,6 +59,9 @@ class ActorConfig:
     strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training): fsdp2 (FSDP2 + DTensor tp)
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n, as in verl)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
+    # micro-batches by a token budget instead of a sequence count (actor update, old and reference logprobs)
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: valid tokens per update micro-batch on one rank
     ppo_epochs: int = 1  # passes over the rollout batch per step
     shuffle: bool = False  # shuffle the batch before splitting into mini-batches
     clip_ratio: float = 0.2  # PPO clip epsilon (used for low and high when those are unset)
@@ -114,6 +122,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1 disables top-k
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
+    log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per old-logprob forward
     micro_batch_size_per_gpu: int = 64  # prompts per generate() call on one rank
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
@@ -129,6 +138,7 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward for reference logprobs
+    log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per reference forward
 
 
 @dataclass
@@ -147,6 +157,9 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n)
     ppo_micro_batch_size_per_gpu: int = 8  # sequences per forward/backward on one rank
     forward_micro_batch_size_per_gpu: int = 16  # sequences per forward when computing values
+    use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a sequence count (values, update)
+    ppo_max_token_len_per_gpu: int = 32768  # use_dynamic_bsz: valid tokens per update micro-batch on one rank
+    forward_max_token_len_per_gpu: int = 32768  # use_dynamic_bsz: valid tokens per value forward on one rank
     ppo_epochs: int = 1
     shuffle: bool = False
     cliprange_value: float = 0.5  # value clipping range
@@ -202,6 +215,10 @@ class AlgorithmConfig:
     # use the rollout's sampling logprobs as old_log_probs instead of recomputing them with the actor (saves a
     # forward; like verl's rollout-correction bypass mode and LlamaRL, whose AIPO needs only mu)
     bypass_old_log_prob: bool = False
+    # auto: skip the old-logprob forward when it would equal the update's own (detached) logprobs: one update per
+    # batch (actor.ppo_epochs=1, one mini-batch) on samples of the weights being updated (not driver async, no
+    # use_kl_in_reward, no dropout); always: recompute them every step
+    recompute_old_log_prob: str = "auto"
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     lagrangian: LagrangianConfig = field(default_factory=LagrangianConfig)  # used by driver safe_rlhf

@@ -10,18 +10,22 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> torch.nn.Module:
+def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                mp_policy=None) -> torch.nn.Module:
     """Shard ``model`` over the 1-D ``mesh`` (the dp axis): every decoder block (the classes a HF model lists
-    in ``_no_split_modules``) is its own FSDP unit, then the root (embeddings, norm, heads).
+    in ``_no_split_modules``) is its own FSDP unit, then the root (embeddings, norm, heads). ``mp_policy``: an
+    FSDP2 ``MixedPrecisionPolicy`` (None: compute in the parameters' dtype; see
+    :mod:`hybridflow.distributed.precision`).
 
     Parameter names are unchanged (FSDP2 swaps parameters for DTensors in place), so HF names still address
     them. Tied input/output embeddings stay tied.
     """
     block_names = set(getattr(model, "_no_split_modules", None) or [])
+    kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for module in model.modules():
         if type(module).__name__ in block_names:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
 

@@ -172,11 +172,12 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh) -> torch.nn.Module:
     return model
 
 
-def parallelize_model(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> torch.nn.Module:
+def parallelize_model(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                      mp_policy=None) -> torch.nn.Module:
     """The training layout on ``mesh`` (from :func:`hybridflow.distributed.build_mesh`): on a 2-D ``("dp", "tp")``
     mesh, tensor parallel inside (:func:`apply_tp` over ``tp``) and FSDP2 over ``dp`` (2-D DTensor parameters);
-    on a 1-D ``("dp",)`` mesh, FSDP2 only."""
+    on a 1-D ``("dp",)`` mesh, FSDP2 only. ``mp_policy``: see :func:`apply_fsdp2`."""
     if mesh.ndim == 2:
         apply_tp(model, mesh["tp"])
         mesh = mesh["dp"]
-    return apply_fsdp2(model, mesh, reshard_after_forward)
+    return apply_fsdp2(model, mesh, reshard_after_forward, mp_policy)

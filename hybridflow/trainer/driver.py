@@ -20,7 +20,9 @@ A driver's lifecycle (who calls what, and when):
 Registry metadata (read with ``DRIVERS.meta(name, key)``, so no code decides on a driver's name):
 ``features``: the optional config features the driver implements (``bypass_old_log_prob``, ``filter_groups``,
 ``overlong_buffer``); ``owns_estimators``: advantage estimators only this driver can feed (ReMax's greedy baseline);
-``planned_as``: the auto-mapper's ``Workload.algorithm`` names whose dataflow this driver runs.
+``planned_as``: the auto-mapper's ``Workload.algorithm`` names whose dataflow this driver runs;
+``trains_on_current_samples``: every update runs on samples of exactly the weights being updated (the old-logprob
+forward may then be skipped, :mod:`hybridflow.trainer.old_log_prob`).
 
 User drivers: subclass :class:`Driver` in a module of your own, decorate it with ``@register_driver("name")``,
 list the module in ``trainer.plugins`` and set ``algorithm.driver=name``.

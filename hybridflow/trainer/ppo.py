@@ -24,6 +24,7 @@ from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
+from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                      compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.validate import validate
@@ -53,7 +54,7 @@ def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str
 
 
 @register_driver("ppo", features=("bypass_old_log_prob", "filter_groups", "overlong_buffer"),
-                 planned_as=("ppo", "grpo"))
+                 planned_as=("ppo", "grpo"), trains_on_current_samples=True)
 class PPOTrainer(Driver):
     """Args:
         config: the validated run config.
@@ -158,13 +159,14 @@ class PPOTrainer(Driver):
     def log_probs(self, batch: DataProto, t: dict[str, float]) -> None:
         """Add ``ref_log_prob`` (B, R) when a KL term uses it (``algorithm.use_kl_in_reward`` or
         ``actor.use_kl_loss``) and ``old_log_probs`` (B, R): the actor's forward, or with
-        ``algorithm.bypass_old_log_prob`` the sampling policy's ``rollout_log_probs`` (no forward)."""
+        ``algorithm.bypass_old_log_prob`` the sampling policy's ``rollout_log_probs`` (no forward), or nothing when
+        they equal the update's own detached logprobs (:mod:`hybridflow.trainer.old_log_prob`)."""
         if self.config.algorithm.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
         if self.config.algorithm.bypass_old_log_prob:  # the sampling policy's logprobs are pi_old: no forward
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-        else:
+        elif not old_log_prob_is_current(self.config):  # else the update uses its own detached logprobs
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
 

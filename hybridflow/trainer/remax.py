@@ -18,7 +18,8 @@ from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
 from hybridflow.utils.timer import timer
 
 
-@register_driver("remax", owns_estimators={"remax": "it generates the greedy baseline"}, planned_as=("remax",))
+@register_driver("remax", owns_estimators={"remax": "it generates the greedy baseline"}, planned_as=("remax",),
+                 trains_on_current_samples=True)
 class ReMaxTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=remax``; usually ``adv_estimator=remax``: any

@@ -118,8 +118,9 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
     if single_machine:
         ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host=host, _node_ip_address=host,
-                 log_to_driver=True)
+        # address="local": always a new cluster, never one that another `ray start` left on this machine
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=host,
+                 _node_ip_address=host, log_to_driver=True)
     finally:
         if single_machine:
             ray_constants.ENABLE_RAY_CLUSTER = saved

@@ -94,12 +94,12 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
     if "overlong_penalty" in b:
         metrics["dapo/overlong_penalty_mean"] = b["overlong_penalty"].mean().item()
         metrics["dapo/overlong_penalised_frac"] = (b["overlong_penalty"] < 0).float().mean().item()
-    if "ref_log_prob" in b:
+    if "ref_log_prob" in b and "old_log_probs" in b:  # without old_log_probs the actor update logs these
         kl = b["old_log_probs"] - b["ref_log_prob"]
         metrics["rollout/kl"] = masked_mean(kl, maskf).item()
     if "entropys" in b:
         metrics["actor/entropy"] = masked_mean(b["entropys"], maskf).item()
-    if "rollout_log_probs" in b:
+    if "rollout_log_probs" in b and "old_log_probs" in b:
         diff = (b["rollout_log_probs"] - b["old_log_probs"]).abs()[mask]
         metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
     metrics.update(multi_turn_metrics(data))  # turns, tool calls/errors/latency, finish reasons (multi-turn only)

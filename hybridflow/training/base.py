@@ -83,6 +83,8 @@ class EngineSpec:
         lora: wrap the model with LoRA adapters (peft) before sharding; only they train (a value model's head too).
         lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``;
             the critic passes ``critic.model`` while loading the actor's weights when it has no path of its own).
+        remove_padding: padding-free forwards (``model.use_remove_padding``): each micro-batch's valid tokens in one
+            packed row (:mod:`hybridflow.training.packing`); results equal the padded forward's.
         role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
     """
 
@@ -98,6 +100,7 @@ class EngineSpec:
     optimizer_offload: bool = False
     lora: bool = False
     lora_config: Any = None
+    remove_padding: bool = False
     role: str = "actor"
 
     def __post_init__(self) -> None:

@@ -15,12 +15,14 @@ from torch.distributed.tensor import DTensor
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import (build_mesh, iter_full_state, offload_module, offload_optimizer, onload_module,
-                                    onload_optimizer, parallelize_model, resolve_dtype)
+                                    onload_optimizer, parallelize_model)
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
+from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.distributed.tp import tp_dims
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.micro import apply_gradients, response_forward
+from hybridflow.training.packing import packed_forward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 
 __all__ = ["FSDP2Engine"]
@@ -81,8 +83,10 @@ class FSDP2Engine(TrainEngine):
         if spec.layout.pp != 1:
             raise ValueError(f"strategy fsdp2 has no pipeline parallelism; got pp={spec.layout.pp} for the {spec.role}")
         mesh = build_mesh(dp=spec.layout.dp, tp=spec.layout.tp)
-        module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
-        module = parallelize_model(module.to(spec.device), mesh)
+        # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
+        weights, compute = training_dtypes(spec.model.dtype, spec.device)
+        module = _load_module(spec, weights)
+        module = parallelize_model(module.to(spec.device), mesh, mp_policy=mixed_precision_policy(compute))
         optimizer = scheduler = None
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
@@ -93,14 +97,15 @@ class FSDP2Engine(TrainEngine):
     def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     kind: str = "policy", mesh: Optional[DeviceMesh] = None, grad_clip: float = 1.0,
                     nonfinite_grad: str = "skip", role: str = "actor", param_offload: bool = False,
-                    optimizer_offload: bool = False, lr_scheduler: Any = None) -> "FSDP2Engine":
+                    optimizer_offload: bool = False, lr_scheduler: Any = None,
+                    remove_padding: bool = False) -> "FSDP2Engine":
         """An engine over an existing module (FSDP2-sharded on ``mesh``, or plain when ``mesh`` is None)."""
         tp = mesh["tp"].size() if mesh is not None and mesh.ndim == 2 else 1
         world = mesh.size() if mesh is not None else 1
         spec = EngineSpec(kind=kind, model=None, layout=ParallelLayout(dp=world // tp, tp=tp),
                           device=next(module.parameters()).device.type, grad_clip=grad_clip,
                           nonfinite_grad=nonfinite_grad, param_offload=param_offload,
-                          optimizer_offload=optimizer_offload, role=role)
+                          optimizer_offload=optimizer_offload, role=role, remove_padding=remove_padding)
         return cls(spec, module, optimizer, lr_scheduler, mesh)
 
     # ------------------------------------------------------------------ compute
@@ -111,11 +116,13 @@ class FSDP2Engine(TrainEngine):
                 entropy: bool = False) -> dict[str, torch.Tensor]:
         b = micro.batch
         if self.spec.kind == "score":
+            if self.spec.remove_padding:  # one packed row of the valid tokens
+                return {"token_scores": packed_forward(self.module, micro).squeeze(-1).float()}
             out = self.module(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                               position_ids=b["position_ids"], use_cache=False)
             return {"token_scores": out.logits.squeeze(-1).float()}
         responses = b["responses"]
-        out = response_forward(self.module, micro, responses.shape[1])
+        out = response_forward(self.module, micro, responses.shape[1], self.spec.remove_padding)
         if self.spec.kind == "value":
             return {"values": out.squeeze(-1).float()}
         logits = sampling_logits(out.float(), sampling or SamplingSpec(), keep=responses)

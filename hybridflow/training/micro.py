@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from hybridflow.distributed import all_reduce_sum, clip_grad_norm
 from hybridflow.protocol import DataProto
+from hybridflow.training.packing import packed_response_forward, padded_columns
 
 
-def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int) -> torch.Tensor:
+def response_forward(module: torch.nn.Module, micro: DataProto, response_length: int,
+                     remove_padding: bool = False) -> torch.Tensor:
     """Run ``module`` over ``input_ids`` (B, P+R) and return the output rows that predict/score the response.
 
     Returns ``logits[:, -R-1:-1]``: (B, R, V) for a causal LM (position t predicts response token t), (B, R, 1)
@@ -29,14 +31,17 @@ def response_forward(module: torch.nn.Module, micro: DataProto, response_length:
     and response slots after the longest response (responses are padded to R, most end early). Positions are
     explicit (``position_ids``) and the model is causal, so the kept outputs are unchanged; the cut response slots
     (every row's padding) are returned as 0.
+
+    ``remove_padding`` (``model.use_remove_padding``): the same rows from one packed forward over the valid tokens
+    only (:func:`hybridflow.training.packing.packed_response_forward`).
     """
+    if remove_padding:
+        return packed_response_forward(module, micro, response_length)
     batch = micro.batch
     mask = batch["attention_mask"]
     prompt_len = mask.shape[1] - response_length
-    used = mask.bool().any(dim=0).nonzero().flatten()
-    first = min(int(used[0]), prompt_len - 1) if used.numel() else 0
-    kept = max(1, int(used[-1]) + 1 - prompt_len) if used.numel() else response_length
-    end = prompt_len + kept
+    first, end = padded_columns(mask, response_length)
+    kept = end - prompt_len
     out = module(
         input_ids=batch["input_ids"][:, first:end],
         attention_mask=mask[:, first:end],

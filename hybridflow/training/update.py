@@ -19,6 +19,8 @@ from hybridflow.distributed import all_reduce_mean
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import TrainEngine
 from hybridflow.training.micro import mini_batches
+from hybridflow.training.packing import add_token_counts
+from hybridflow.training.token_batches import iter_micro_batches
 
 __all__ = ["MicroLoss", "update_mini_batches"]
 
@@ -35,9 +37,16 @@ class MicroLoss(Protocol):
 def update_mini_batches(engine: TrainEngine, data: DataProto, loss: MicroLoss,
                         agg_kwargs: Callable[[DataProto], dict], *, mini_batch_size: int, micro_batch_size: int,
                         epochs: int, shuffle: bool, seed: int, prefix: str,
-                        sampling: Optional[SamplingSpec] = None, entropy: bool = False) -> dict[str, float]:
+                        sampling: Optional[SamplingSpec] = None, entropy: bool = False,
+                        max_token_len: Optional[int] = None) -> dict[str, float]:
     """Train ``engine`` on ``data`` (this rank's share, ``mini_batch_size`` / ``micro_batch_size`` in sequences
     per rank); every rank of the group calls it together.
+
+    ``max_token_len`` (``use_dynamic_bsz``): micro-batches of at most that many tokens instead of
+    ``micro_batch_size`` sequences (:mod:`hybridflow.training.token_batches`); every rank runs as many micro-batches
+    as the rank that needs most (one all-reduce), the spare ones with their loss times 0, so the collectives of the
+    backward passes stay paired. The applied gradient does not depend on the split. Each real micro-batch also adds
+    its computed and valid token counts (``perf/<prefix>_computed_tokens``, ``perf/<prefix>_valid_tokens``).
 
     Returns the metrics averaged over mini-batches and dp ranks, with ``<prefix>/grad_norm`` (pre-clip) and
     ``<prefix>/skipped_steps`` (steps the non-finite guard dropped so far, this rank's count).
@@ -52,9 +61,14 @@ def update_mini_batches(engine: TrainEngine, data: DataProto, loss: MicroLoss,
         agg = agg_kwargs(mini)
         engine.zero_grad()
         stats: dict[str, float] = {}
-        for micro in mini.split(micro_batch_size):
+        for micro, dummy in iter_micro_batches(mini, micro_batch_size, max_token_len):
+            if dummy:  # keeps this rank's collectives in step with ranks that have more micro-batches
+                engine.forward_backward(micro, lambda outputs, m=micro: loss(m, outputs, agg, {}) * 0.0,
+                                        sampling=sampling, entropy=entropy)
+                continue
             engine.forward_backward(micro, lambda outputs, m=micro: loss(m, outputs, agg, stats),
                                     sampling=sampling, entropy=entropy)
+            add_token_counts(stats, prefix, micro, engine.spec.remove_padding)
         grad_norm, _ = engine.optimizer_step()
         stats[f"{prefix}/grad_norm"] = grad_norm
         for key, value in stats.items():

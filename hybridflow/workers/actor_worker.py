@@ -126,7 +126,7 @@ class ActorRolloutRefWorker(Worker):
         layout = ParallelLayout(dp=self.dp_size, tp=tp)
         dp_rank, tp_rank = divmod(self.rank, tp)
         self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0)
-        dtype = resolve_dtype(cfg.model.dtype, self.device)
+        dtype = resolve_dtype(cfg.model.dtype, self.device)  # the rollout's copy (engines pick their training dtypes)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
         # the distribution the rollout samples from, which the actor's logprobs are taken under (see PPOActor)
@@ -138,7 +138,8 @@ class ActorRolloutRefWorker(Worker):
                 kind="policy", model=cfg.model, layout=layout, device=self.device, optim=cfg.actor.optim,
                 total_steps=total_training_steps, grad_clip=cfg.actor.grad_clip,
                 nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
-                optimizer_offload=fsdp.optimizer_offload, lora=self._lora, role="actor"))
+                optimizer_offload=fsdp.optimizer_offload, lora=self._lora, role="actor",
+                remove_padding=cfg.model.use_remove_padding))
             scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=scale)
         if self._has_rollout:
@@ -148,7 +149,7 @@ class ActorRolloutRefWorker(Worker):
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
             ref = engine_cls.build(EngineSpec(kind="policy", model=cfg.model, layout=layout, device=self.device,
-                                              role="ref"))
+                                              role="ref", remove_padding=cfg.model.use_remove_padding))
             self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
 
     def _init_rollout(self, dtype: torch.dtype) -> None:
@@ -280,8 +281,9 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
         self._switch_to_training()
-        micro = self.config.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
-        log_prob, entropy = self.actor.compute_log_prob(data, micro, calculate_entropy=True)
+        rollout = self.config.actor_rollout_ref.rollout
+        log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
+                                                        rollout.log_prob_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
@@ -289,11 +291,12 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
-        micro = self.config.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu
+        ref = self.config.actor_rollout_ref.ref
         # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
         shares_actor = self._has_actor and self.ref.module is self.actor.module
         with self.actor.module.disable_adapter() if shares_actor else nullcontext():
-            log_prob, _ = self.ref.compute_log_prob(data, micro)
+            log_prob, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
+                                                    max_token_len=ref.log_prob_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")

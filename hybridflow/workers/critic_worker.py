@@ -44,7 +44,8 @@ class CriticWorker(Worker):
             optim=cfg.optim, total_steps=total_training_steps, grad_clip=cfg.grad_clip,
             nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
             optimizer_offload=fsdp.optimizer_offload, role="critic",
-            lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model))  # critic.model.lora_*: backbone adapters
+            lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model,  # critic.model.lora_*: backbone adapters
+            remove_padding=model_cfg.use_remove_padding))
         self.critic = PPOCritic(engine, None, cfg)
         engine.offload()
 
@@ -53,7 +54,9 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
         with self.critic.engine.on_device(optimizer=False):
-            values = self.critic.compute_values(data, self.config.critic.forward_micro_batch_size_per_gpu)
+            cfg = self.config.critic
+            values = self.critic.compute_values(data, cfg.forward_micro_batch_size_per_gpu,
+                                                cfg.forward_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")

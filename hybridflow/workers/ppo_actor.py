@@ -15,6 +15,7 @@ from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
+from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
 
 
 class PPOActor:
@@ -37,16 +38,23 @@ class PPOActor:
         loss_scale_factor: the constant L of ``loss_agg_mode=seq-mean-token-sum-norm`` (Dr. GRPO); the worker
             passes ``actor.loss_scale_factor`` or ``data.max_response_length``. None: the response width R of
             the batch.
+        use_remove_padding: (with a module) padding-free forwards (``model.use_remove_padding``,
+            :mod:`hybridflow.training.packing`); an engine carries it in its spec.
+
+    With ``config.use_dynamic_bsz`` micro-batches are formed by a token budget
+    (:mod:`hybridflow.training.token_batches`):
+    ``actor.ppo_max_token_len_per_gpu`` in the update, the ``max_token_len`` argument of :meth:`compute_log_prob`.
     """
 
     def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
                  config, sampling: SamplingSpec, nonfinite_grad: str = "skip",
-                 loss_scale_factor: float | None = None) -> None:
+                 loss_scale_factor: float | None = None, use_remove_padding: bool = False) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
         if isinstance(engine, torch.nn.Module):
             engine = FSDP2Engine.from_module(engine, optimizer, kind="policy", grad_clip=config.grad_clip,
-                                             nonfinite_grad=nonfinite_grad, role="actor")
+                                             nonfinite_grad=nonfinite_grad, role="actor",
+                                             remove_padding=use_remove_padding)
         elif optimizer is not None:
             raise ValueError("PPOActor: pass the optimizer with a module; an engine owns its optimizer")
         self.engine = engine
@@ -72,16 +80,22 @@ class PPOActor:
         return out["log_probs"], out.get("entropy")
 
     @torch.no_grad()
-    def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False):
+    def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False,
+                         max_token_len: int | None = None):
         """Log-probabilities of ``responses`` (B, R) fp32 under the current policy; also the entropy (B, R)
-        when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values."""
+        when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values. Micro-batches hold
+        ``micro_batch_size`` sequences, or with ``use_dynamic_bsz`` at most ``max_token_len`` tokens (a collective
+        over the dp ranks, see :mod:`hybridflow.training.token_batches`)."""
         self.engine.set_train(False)
+        budget = max_token_len if self.config.use_dynamic_bsz else None
+        indices = micro_batch_indices(data, micro_batch_size, budget)
         log_probs, entropies = [], []
-        for micro in data.split(micro_batch_size):
-            log_prob, entropy = self._log_prob(micro, calculate_entropy)
+        for index in indices:
+            log_prob, entropy = self._log_prob(data[index] if index.numel() else data[:1], calculate_entropy)
             log_probs.append(log_prob)
             entropies.append(entropy)
-        return torch.cat(log_probs), (torch.cat(entropies) if calculate_entropy else None)
+        log_prob = gather_in_order(log_probs, indices, len(data))
+        return log_prob, (gather_in_order(entropies, indices, len(data)) if calculate_entropy else None)
 
     def update_policy(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """PPO policy update over this rank's share of the batch.
@@ -96,11 +110,21 @@ class PPOActor:
         also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
         ``actor/is_weight_mean``, ``actor/is_weight_max`` and ``actor/is_weight_min`` (max/min over micro-batches,
         averaged over ranks).
+
+        Without ``old_log_probs`` (the driver skipped that forward: the samples come from exactly these weights and
+        this is the only update of the batch, :mod:`hybridflow.trainer.old_log_prob`) pi_old is the detached current
+        logprob (ratio 1, as verl and TRL do), and the update logs what that forward's metrics would have been.
+        Micro-batches hold ``actor.ppo_micro_batch_size_per_gpu`` sequences or, with ``use_dynamic_bsz``, at most
+        ``actor.ppo_max_token_len_per_gpu`` tokens (:mod:`hybridflow.training.token_batches`).
+
+        Raises:
+            ValueError: no ``old_log_probs`` but more than one mini-batch or epoch.
         """
         cfg = self.config
         loss_fn = get_policy_loss_fn(cfg.policy_loss)
         mode = cfg.loss_agg_mode
-        need_entropy = cfg.entropy_coeff != 0
+        on_policy = _on_policy(data, cfg.ppo_epochs, mini_batch_size)
+        need_entropy = cfg.entropy_coeff != 0 or on_policy
 
         def agg_kwargs(mini: DataProto) -> dict:
             scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
@@ -110,12 +134,13 @@ class PPOActor:
             b = micro.batch
             mask, _ = self._loss_mask(b)
             log_prob, entropy = outputs["log_probs"], outputs.get("entropy")
+            old_log_prob = log_prob.detach() if on_policy else b["old_log_probs"]
             pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = loss_fn(
-                b["old_log_probs"], log_prob, b["advantages"], mask, mode, cfg,
+                old_log_prob, log_prob, b["advantages"], mask, mode, cfg,
                 rollout_log_probs=b.get("rollout_log_probs"), **agg
             )
             loss = pg_loss
-            if need_entropy:
+            if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg)
             if cfg.use_kl_loss:
                 kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
@@ -123,22 +148,21 @@ class PPOActor:
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 _add(stats, "actor/kl_loss", kl_loss.item())
             frac = mask.sum().item() / max(agg["num_tokens"], 1.0)
+            if on_policy:
+                _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask, frac)
             _add(stats, "actor/pg_loss", pg_loss.item())
             _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
             _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
             _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
             if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
-                w = torch.exp((log_prob.detach() - b["rollout_log_probs"]).clamp(max=20.0))[mask.bool()]
-                if w.numel():
-                    _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
-                    stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
-                    stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
+                _add_is_weight_stats(stats, b["rollout_log_probs"], log_prob.detach(), mask, frac)
             return loss
 
         return update_mini_batches(self.engine, data, micro_loss, agg_kwargs, mini_batch_size=mini_batch_size,
                                    micro_batch_size=cfg.ppo_micro_batch_size_per_gpu, epochs=cfg.ppo_epochs,
                                    shuffle=cfg.shuffle, seed=seed, prefix="actor", sampling=self.sampling,
-                                   entropy=need_entropy)
+                                   entropy=need_entropy,
+                                   max_token_len=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None)
 
     def _loss_mask(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (B, R) mask of the tokens in the loss and the (B,) bool rows counted as sequences (None: all rows):
@@ -154,6 +178,49 @@ class PPOActor:
             raise KeyError("actor.overlong_filter=true needs the rollout's per-response 'truncated' flag (B,) in "
                            f"the batch; got keys {sorted(batch.keys())}")
         return overlong_filter_mask(batch["response_mask"], batch["truncated"])
+
+
+def _on_policy(data: DataProto, epochs: int, mini_batch_size: int) -> bool:
+    """True when ``data`` has no ``old_log_probs`` (pi_old = the update's own detached logprobs).
+
+    Raises:
+        ValueError: no ``old_log_probs`` but more than one optimizer step on the batch (later steps would need the
+            logprobs of the weights before the first one).
+    """
+    if "old_log_probs" in data.batch:
+        return False
+    if epochs != 1 or len(data) > mini_batch_size:
+        raise ValueError("update_policy without old_log_probs needs one update per batch (ppo_epochs=1 and one "
+                         f"mini-batch), got ppo_epochs={epochs} and {len(data)} rows for mini-batches of "
+                         f"{mini_batch_size}")
+    return True
+
+
+def _add_is_weight_stats(stats: dict[str, float], rollout_log_probs: torch.Tensor, log_prob: torch.Tensor,
+                         mask: torch.Tensor, frac: float) -> None:
+    """``actor/is_weight_mean`` (token-weighted by ``frac``), ``_max`` and ``_min`` of pi_theta / mu over the valid
+    tokens of ``mask`` (B, R)."""
+    w = torch.exp((log_prob - rollout_log_probs).clamp(max=20.0))[mask.bool()]
+    if w.numel():
+        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
+        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
+        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
+
+
+def _add_on_policy_stats(stats: dict[str, float], b, log_prob: torch.Tensor, entropy: torch.Tensor,
+                         mask: torch.Tensor, frac: float) -> None:
+    """What the skipped old-logprob pass would have logged (``hybridflow.trainer.steps.compute_data_metrics``),
+    from the update's own forward: ``actor/entropy``, ``rollout/kl`` (with ``ref_log_prob``) and
+    ``rollout/logprob_diff_max`` (with ``rollout_log_probs``); token-weighted by ``frac`` like the losses."""
+    maskf = mask.float()
+    n = maskf.sum().clamp(min=1.0)
+    _add(stats, "actor/entropy", ((entropy * maskf).sum() / n).item() * frac)
+    if "ref_log_prob" in b:
+        _add(stats, "rollout/kl", (((log_prob - b["ref_log_prob"]) * maskf).sum() / n).item() * frac)
+    if "rollout_log_probs" in b:
+        diff = (b["rollout_log_probs"] - log_prob).abs()[mask.bool()]
+        stats["rollout/logprob_diff_max"] = max(stats.get("rollout/logprob_diff_max", 0.0),
+                                                diff.max().item() if diff.numel() else 0.0)
 
 
 def _add(d: dict[str, float], key: str, value: float) -> None:

@@ -14,6 +14,7 @@ from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.protocol import DataProto
 from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
+from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
 
 
 class PPOCritic:
@@ -25,13 +26,19 @@ class PPOCritic:
         optimizer: with a module, its optimizer; None with an engine.
         config: the ``critic`` config section.
         nonfinite_grad: (with a module) ``skip`` or ``error``, as for :class:`~hybridflow.workers.ppo_actor.PPOActor`.
+        use_remove_padding: (with a module) padding-free forwards (``critic.model.use_remove_padding``); an engine
+            carries it in its spec.
+
+    ``critic.use_dynamic_bsz``: token-budget micro-batches (``critic.ppo_max_token_len_per_gpu`` in the update, the
+    ``max_token_len`` argument of :meth:`compute_values`; :mod:`hybridflow.training.token_batches`).
     """
 
     def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 config, nonfinite_grad: str = "skip") -> None:
+                 config, nonfinite_grad: str = "skip", use_remove_padding: bool = False) -> None:
         if isinstance(engine, torch.nn.Module):
             engine = FSDP2Engine.from_module(engine, optimizer, kind="value", grad_clip=config.grad_clip,
-                                             nonfinite_grad=nonfinite_grad, role="critic")
+                                             nonfinite_grad=nonfinite_grad, role="critic",
+                                             remove_padding=use_remove_padding)
         elif optimizer is not None:
             raise ValueError("PPOCritic: pass the optimizer with a module; an engine owns its optimizer")
         self.engine = engine
@@ -50,11 +57,14 @@ class PPOCritic:
         return self.engine.skipped_steps
 
     @torch.no_grad()
-    def compute_values(self, data: DataProto, micro_batch_size: int) -> torch.Tensor:
-        """V(s_t) for every response position, (B, R) fp32, zero at padded positions."""
+    def compute_values(self, data: DataProto, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
+        """V(s_t) for every response position, (B, R) fp32, zero at padded positions. With ``use_dynamic_bsz``,
+        micro-batches of at most ``max_token_len`` tokens (a collective over the dp ranks)."""
         self.engine.set_train(False)
-        values = torch.cat([self.engine.forward(m)["values"] for m in data.split(micro_batch_size)])
-        return values * data.batch["response_mask"]
+        budget = max_token_len if self.config.use_dynamic_bsz else None
+        indices = micro_batch_indices(data, micro_batch_size, budget)
+        values = [self.engine.forward(data[i] if i.numel() else data[:1])["values"] for i in indices]
+        return gather_in_order(values, indices, len(data)) * data.batch["response_mask"]
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression towards ``returns`` (B, R); ``values`` (B, R) are the rollout-time values.
@@ -79,4 +89,5 @@ class PPOCritic:
         return update_mini_batches(
             self.engine, data, micro_loss, lambda mini: global_agg_kwargs(mini, mini.batch["responses"].shape[1]),
             mini_batch_size=mini_batch_size, micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-            epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed, prefix="critic")
+            epochs=cfg.ppo_epochs, shuffle=cfg.shuffle, seed=seed, prefix="critic",
+            max_token_len=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None)

@@ -80,7 +80,7 @@ class RewardModelWorker(Worker):
         self._register_dispatch_collect_info(MESH, dp_rank=self.rank, is_collect=True)
         self.engine = get_engine_class(section.strategy).build(EngineSpec(
             kind="score", model=section.model, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
-            role=self.role))
+            role=self.role, remove_padding=section.model.use_remove_padding))
         self.engine.set_train(False)
 
     @torch.no_grad()

@@ -14,3 +14,15 @@ def test_imports_without_trl_and_summarises(repo_script):
                        "timed_steps": 2}
     with pytest.raises(Exception):
         module._summary([], [], [])
+
+
+def test_thread_counts_and_max_new_tokens_are_parsed(repo_script):
+    module = repo_script("benchmarks/compare_trl.py")
+    assert module._thread_counts("1,2") == [1, 2]
+    for bad in ("0", "a", ""):
+        with pytest.raises(Exception):
+            module._thread_counts(bad)
+    args = module._parser().parse_args(["--model", "medium", "--max-new-tokens", "256", "--trl-threads", "1,2"])
+    assert (args.model, args.max_new_tokens, args.trl_threads) == ("medium", 256, [1, 2])
+    with pytest.raises(SystemExit):
+        module._parser().parse_args(["--max-new-tokens", "257"])

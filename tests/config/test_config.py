@@ -215,6 +215,9 @@ def test_per_rank_mini_batch_divisible_by_micro_batch():
     (problem,) = _problems("actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16")
     assert problem.startswith("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (16) must divide the per-rank "
                               "mini-batch of 24 sequences")
+    # with a token budget the micro-batch size is unused: no problem
+    load_config("quickstart", ["actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+                               "actor_rollout_ref.actor.use_dynamic_bsz=true"])
 
 
 def test_critic_batch_checks_only_when_the_critic_trains():

@@ -1,6 +1,7 @@
-"""The applied gradient of a PPO mini-batch does not depend on how it is split: not over micro-batches, not
-over data-parallel ranks (2 gloo ranks with FSDP2), for every loss aggregation mode, with and without DAPO's
-overlong filtering; and the logged loss is the loss of the whole mini-batch.
+"""The applied gradient of a PPO mini-batch does not depend on how it is split: not over micro-batches (of a fixed
+size or of a token budget, ``use_dynamic_bsz``), not over data-parallel ranks (2 gloo ranks with FSDP2; with the
+budget the two ranks' own plans need different micro-batch counts), for every loss aggregation mode, with and
+without DAPO's overlong filtering; and the logged loss is the loss of the whole mini-batch.
 
 Reference: one process, no FSDP, the whole mini-batch in one micro-batch. Optimizer: SGD with lr 1 and no
 clipping, so the weight change IS the gradient (Adam would hide differences by normalising them). With overlong
@@ -52,8 +53,10 @@ def _batch() -> DataProto:
     })
 
 
-def _config(mode: str, micro: int, overlong_filter: bool = False, entropy_coeff: float = 0.01):
+def _config(mode: str, micro: int, overlong_filter: bool = False, entropy_coeff: float = 0.01,
+            budget: int | None = None):
     cfg = OmegaConf.structured(ActorConfig)
+    cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu = budget is not None, budget or 1
     cfg.loss_agg_mode, cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = mode, micro, 1e9
     cfg.entropy_coeff = entropy_coeff  # the entropy term is aggregated with the same normalisers
     cfg.overlong_filter = overlong_filter
@@ -87,6 +90,8 @@ def _per_token_loss_one(actor: PPOActor, data: DataProto, all_truncated: bool) -
 
 MICROS = (1, 4)
 FILTERS = (False, True)
+# token budget: rank 0's rows cost 4 8 6 5 tokens (3 micro-batches of <= 9), rank 1's 7 8 4 6 (4): both run 4
+BUDGET = 9
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -100,6 +105,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             for filt in FILTERS:
                 actor = _actor(apply_fsdp2(_model(), mesh), _config(mode, micro, filt))
                 deltas[mode, micro, filt] = _delta(actor, _batch().chunk(2)[rank], B // 2)
+        for filt in FILTERS:
+            actor = _actor(apply_fsdp2(_model(), mesh), _config(mode, B, filt, budget=BUDGET))
+            deltas[mode, "budget", filt] = _delta(actor, _batch().chunk(2)[rank], B // 2)
     for all_truncated in (False, True):  # per-token loss 1, token-mean, overlong filter on
         actor = _actor(apply_fsdp2(_model(), mesh), _config("token-mean", 1, True, entropy_coeff=0.0))
         data = _per_token_loss_one(actor, _batch().chunk(2)[rank], all_truncated)
@@ -132,7 +140,12 @@ def test_gradient_and_logged_loss_independent_of_micro_and_dp_split(mode, overlo
         torch.testing.assert_close(micro_split[name], ref[name], atol=1e-6, rtol=0)
     assert max(v.abs().max() for v in ref.values()) > 1e-4  # the test is not vacuous
     assert metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
-    for micro in MICROS:
+    budget_actor = _actor(_model(), _config(mode, B, overlong_filter, budget=BUDGET))
+    budget_split, budget_metrics = _delta(budget_actor, _batch(), B)
+    for name in ref:
+        torch.testing.assert_close(budget_split[name], ref[name], atol=1e-6, rtol=0)
+    assert budget_metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
+    for micro in (*MICROS, "budget"):
         dist_delta, dist_metrics = dp_deltas[mode, micro, overlong_filter]
         for name in ref:
             torch.testing.assert_close(dist_delta[name], ref[name], atol=1e-6, rtol=0, msg=f"{mode} micro={micro} {name}")

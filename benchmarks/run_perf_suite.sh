@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
+# each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
+# Meant for a quiet machine (nothing else running; each result records the load average): about 10 minutes on
+# 2 cores. Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison (skipped otherwise).
+#
+#     benchmarks/run_perf_suite.sh > perf.jsonl
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+LOG="${PERF_LOG:-perf_suite.log}"
+: > "$LOG"
+
+run() {  # run NAME COMMAND...: the last JSON line of COMMAND's stdout, tagged with NAME
+  local name="$1"; shift
+  echo "== $name: $*" >> "$LOG"
+  "$@" 2>> "$LOG" | python -c '
+import json, sys
+name, last = sys.argv[1], None
+for line in sys.stdin:
+    line = line.strip()
+    if line.startswith("{"):
+        try:
+            last = json.loads(line)
+        except ValueError:
+            pass
+print(json.dumps({"item": name, "result": last if last is not None else "failed: see the log"}))
+' "$name"
+}
+
+python -c 'import os, json; print(json.dumps({"item": "machine", "result": {"load_average": os.getloadavg(), "cpu_count": os.cpu_count()}}))'
+python -c '
+import json
+from hybridflow.distributed.precision import bf16_is_faster, time_matmul
+import torch
+fp32, bf16 = time_matmul(torch.float32), time_matmul(torch.bfloat16)
+print(json.dumps({"item": "dtype_probe", "result": {"fp32_s": fp32, "bf16_s": bf16, "bf16_speedup": fp32 / bf16,
+                  "auto_picks_bf16": bf16_is_faster(lambda d: {torch.float32: fp32, torch.bfloat16: bf16}[d])}}))'
+
+# TRL / hybridflow at the default tiny shape and at the medium shape, TRL with 1 and 2 threads (targets 1.5 / 1.2)
+run compare_trl_tiny python benchmarks/compare_trl.py --trl-threads 1,2
+run compare_trl_medium python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 --trl-threads 1,2
+if python -c 'import sys; from hybridflow.distributed.precision import bf16_is_faster; sys.exit(0 if bf16_is_faster() else 1)'; then
+  run compare_trl_tiny_bf16 python benchmarks/compare_trl.py --dtype bfloat16 --trl-threads 1,2
+fi
+
+# quickstart step profile: controller overhead (target <= 5%), padding fraction (<= 10% with use_remove_padding)
+run step_profile_padded python benchmarks/step_profile.py --steps 4
+run step_profile_packed python benchmarks/step_profile.py --steps 4 actor_rollout_ref.model.use_remove_padding=true \
+  critic.model.use_remove_padding=true actor_rollout_ref.actor.use_dynamic_bsz=true critic.use_dynamic_bsz=true
+# training phases at the medium shape vs the matmul rate (target >= 70%)
+run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium \
+  actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
+
+# async vs sync (target >= 1.6)
+run async_vs_sync python benchmarks/async_vs_sync.py --steps 8 --rounds 1
+
+# hf vs vLLM generation throughput, tiny and medium shapes
+if python -c 'import vllm' 2>/dev/null; then backends=hf,vllm; else backends=hf; fi
+run rollout_tiny python benchmarks/rollout.py --repeats 2 --backends "$backends"
+run rollout_medium python benchmarks/rollout.py --shape medium --repeats 2 --backends "$backends"

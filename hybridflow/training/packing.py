@@ -1,0 +1,184 @@
+"""Padding-free training forwards (``*.model.use_remove_padding``): the valid tokens of a micro-batch packed into one
+row, so no FLOP is spent on padding.
+
+A micro-batch is a (B, P+R) rectangle: prompts left-padded to the longest, responses right-padded to R. Packing keeps
+the tokens whose ``attention_mask`` is 1, row after row, as one (1, T) sequence, T = the number of valid tokens;
+``position_ids`` keep their per-sequence values (they restart at every sequence), and attention is confined to each
+sequence:
+
+- ``flash_attention_2/3/4`` (GPU): the model's own varlen path, from ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
+  cumulative sequence lengths) passed as forward kwargs;
+- any other implementation (``sdpa``, ``eager``; CPU): :func:`varlen_sdpa_attention`, registered with transformers'
+  ``AttentionInterface`` as ``hybridflow_varlen``: one causal SDPA call per sequence (exactly the FLOPs of the valid
+  tokens, no (T, T) mask). Called without ``cu_seq_lens_q`` (generation, padded forwards of the same module) it is
+  plain ``sdpa``, so switching a module to it changes nothing else.
+
+Equal results: each token sees exactly the keys it sees in the padded forward (its own sequence's earlier tokens, at
+the same positions), so logits agree to float rounding (tests/workers/test_packing.py: <= 1e-5 fp32).
+
+Shapes: B sequences, P prompt width, R response width, T valid tokens, V vocabulary (1 for a value model).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hybridflow.protocol import DataProto
+
+VARLEN_ATTENTION = "hybridflow_varlen"
+_FLASH_PREFIX = "flash_attention"
+
+
+def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention for a packed (1, T) row: ``query`` (1, H, T, D), ``key``/``value`` (1, H_kv, T, D) and
+    ``cu_seq_lens_q`` (S+1,) int32 in ``kwargs`` (S sequences); each sequence attends causally to itself only.
+    Returns ``(out (1, T, H, D), None)`` like transformers' ``sdpa_attention_forward``. Without ``cu_seq_lens_q``
+    (or with a KV cache: key length != query length) it is ``sdpa_attention_forward`` unchanged."""
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    if cu is None or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(name, None)
+    bounds = cu.tolist()
+    outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
+                                   scaling=scaling, is_causal=True, **kwargs)[0]
+            for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)  # padded forwards get sdpa's masks, as before
+
+
+@dataclass
+class Packed:
+    """One micro-batch packed: ``input_ids``/``position_ids`` (1, T) long; ``flat_index`` (T,) long, each packed
+    token's index in the flattened (B*(P+R),) rectangle; ``cu_seqlens`` (B+1,) int32, the sequence boundaries in the
+    packed row; ``max_seqlen`` the longest sequence."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    flat_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+
+def pack(micro: DataProto) -> Packed:
+    """Pack the valid tokens (``attention_mask`` == 1) of ``micro``'s ``input_ids``/``position_ids`` (B, P+R)."""
+    batch = micro.batch
+    mask = batch["attention_mask"].bool()
+    lengths = mask.sum(dim=1)
+    flat_index = mask.flatten().nonzero().flatten()
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = torch.cumsum(lengths, dim=0)
+    return Packed(
+        input_ids=batch["input_ids"].flatten()[flat_index][None],
+        position_ids=batch["position_ids"].flatten()[flat_index][None],
+        flat_index=flat_index, cu_seqlens=cu, max_seqlen=int(lengths.max()) if len(lengths) else 0,
+    )
+
+
+def padded_columns(mask: torch.Tensor, response_length: int) -> tuple[int, int]:
+    """The columns ``[first, end)`` of a padded forward over ``mask`` (B, P+R): left padding common to every prompt
+    and response slots after the longest response are cut (at least the last prompt column and one response column
+    stay)."""
+    prompt_len = mask.shape[1] - response_length
+    used = mask.bool().any(dim=0).nonzero().flatten()
+    if not used.numel():
+        return 0, mask.shape[1]
+    first = min(int(used[0]), prompt_len - 1)
+    return first, prompt_len + max(1, int(used[-1]) + 1 - prompt_len)
+
+
+def computed_tokens(micro: DataProto, response_length: int, remove_padding: bool) -> tuple[int, int]:
+    """``(computed, valid)`` token counts of one micro-batch forward: the valid tokens (``attention_mask`` ones) and
+    the tokens the forward computes (the same when packed, else B x the kept columns of :func:`padded_columns`)."""
+    mask = micro.batch["attention_mask"]
+    valid = int(mask.sum())
+    if remove_padding:
+        return valid, valid
+    first, end = padded_columns(mask, response_length)
+    return mask.shape[0] * (end - first), valid
+
+
+def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remove_padding: bool) -> None:
+    """Add a training micro-batch's :func:`computed_tokens` to ``stats`` as ``perf/<role>_computed_tokens`` and
+    ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that benchmarks/step_profile.py reports)."""
+    computed, valid = computed_tokens(micro, micro.batch["responses"].shape[1], remove_padding)
+    stats[f"perf/{role}_computed_tokens"] = stats.get(f"perf/{role}_computed_tokens", 0.0) + computed
+    stats[f"perf/{role}_valid_tokens"] = stats.get(f"perf/{role}_valid_tokens", 0.0) + valid
+
+
+def use_varlen_attention(module: torch.nn.Module) -> bool:
+    """Make ``module`` attend with :func:`varlen_sdpa_attention` unless it runs a flash-attention kernel (which has
+    its own varlen path). Returns True when the module's attention is now ``hybridflow_varlen``."""
+    config = module.config
+    current = getattr(config, "_attn_implementation", None) or "sdpa"
+    if current.startswith(_FLASH_PREFIX):
+        return False
+    if current != VARLEN_ATTENTION:
+        for sub in [config, *[getattr(config, k) for k in getattr(config, "sub_configs", {}) or {}]]:
+            if sub is not None:
+                sub._attn_implementation = VARLEN_ATTENTION
+    return True
+
+
+def _packed_outputs(module: torch.nn.Module, micro: DataProto,
+                    keep: torch.Tensor | None = None) -> tuple[torch.Tensor, Packed]:
+    """(outputs (T, V) of one packed forward, the packing). ``keep`` (K,) long: packed positions whose outputs are
+    needed; a causal LM then runs its output head on those only (transformers' ``logits_to_keep``) and the outputs
+    are (K, V)."""
+    packed = pack(micro)
+    varlen = {"cu_seq_lens_q": packed.cu_seqlens, "cu_seq_lens_k": packed.cu_seqlens,
+              "max_length_q": packed.max_seqlen, "max_length_k": packed.max_seqlen}
+    if keep is not None:
+        varlen["logits_to_keep"] = keep
+    # a 1x1x1x1 mask is taken as "already prepared" by transformers (no (T, T) mask is built); the varlen attention
+    # ignores it. Flash attention gets no mask: its varlen path reads cu_seq_lens.
+    device = packed.input_ids.device
+    dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if use_varlen_attention(module) else None
+    out = module(input_ids=packed.input_ids, attention_mask=dummy, position_ids=packed.position_ids, use_cache=False,
+                 **varlen).logits[0]
+    return out, packed
+
+
+def packed_forward(module: torch.nn.Module, micro: DataProto) -> torch.Tensor:
+    """``module``'s outputs for every token of ``micro`` (B, P+R) from one packed (1, T) forward: (B, P+R, V),
+    0 at padded positions (their outputs are never used). The module must accept ``position_ids`` and pass extra
+    kwargs on to its attention (every transformers decoder does)."""
+    mask = micro.batch["attention_mask"]
+    out, packed = _packed_outputs(module, micro)
+    full = out.new_zeros(mask.numel(), out.shape[-1]).index_copy(0, packed.flat_index, out)
+    return full.view(*mask.shape, out.shape[-1])
+
+
+def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_length: int) -> torch.Tensor:
+    """:func:`hybridflow.workers.micro.response_forward` without padding: the same (B, R, V) output rows
+    (``logits[:, P-1 : P+R-1]``: position t predicts/scores response token t) from one packed forward; only those
+    rows are materialised. Rows whose input token is padding are 0 (the padded path leaves arbitrary finite values
+    there)."""
+    mask = micro.batch["attention_mask"]
+    rows, width = mask.shape
+    prompt_len = width - response_length
+    flat_index = mask.bool().flatten().nonzero().flatten()
+    row, col = flat_index // width, flat_index % width
+    keep = (col >= prompt_len - 1) & (col < width - 1)  # the tokens whose output predicts/scores a response slot
+    head_only = _accepts_logits_to_keep(module)
+    out, _ = _packed_outputs(module, micro, keep.nonzero().flatten() if head_only else None)
+    out = out if head_only else out[keep]
+    result = out.new_zeros(rows * response_length, out.shape[-1])
+    target = row[keep] * response_length + col[keep] - (prompt_len - 1)
+    return result.index_copy(0, target, out).view(rows, response_length, out.shape[-1])
+
+
+def _accepts_logits_to_keep(module: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(type(module).forward).parameters
