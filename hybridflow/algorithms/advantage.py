@@ -151,7 +151,10 @@ def compute_gae_advantage_return(
     Right to left over the *valid* tokens of each row, with ``t'`` the next valid token after ``t``:
     ``delta_t = r_t + gamma * V_t' - V_t`` and ``A_t = delta_t + gamma * lam * A_t'``, where
     ``V_t' = A_t' = 0`` after the last valid token. Values and rewards at masked positions never
-    enter: a hole in the mask is skipped, the next valid token's value carried across it.
+    enter: a hole in the mask is skipped, the next valid token's value carried across it. In a multi-turn
+    response the holes are observation spans (tool output, mask 0), so a span is transparent: the step from
+    the last token of a model turn goes straight to the first token of the next turn, discounted once
+    (``gamma * V_t'``, not ``gamma ** (span + 1)``), and no value is read inside the span.
     ``returns = A + V`` (the critic's regression target) is taken before whitening; then the
     advantages are whitened over all valid tokens of the batch (:func:`masked_whiten`).
 

@@ -35,6 +35,7 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       reward_fn_problems, score_model_problems, strategy_problems, vllm_problems)
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
+from hybridflow.tools.config import multi_turn_problems
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
@@ -68,6 +69,7 @@ NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a re
     "actor_rollout_ref.actor.kl_loss_type": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
     "algorithm.kl_penalty": ("hybridflow.algorithms", "KL_PENALTY_TYPES"),
     "actor_rollout_ref.rollout.name": ("hybridflow.rollout", "get_rollout_class"),
+    "actor_rollout_ref.rollout.multi_turn.format": ("hybridflow.tools", "get_tool_format"),
     "cost_model.rule": ("hybridflow.rewards.cost", "get_cost_fn"),
 }
 
@@ -85,8 +87,10 @@ _POSITIVE = (  # counts that must be >= 1
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
     "algorithm.lagrangian.episode_cost_window_size",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
 )
-_POSITIVE_OR_NONE = ("data.val_batch_size", "trainer.total_training_steps", "trainer.ray_init.num_cpus")
+_POSITIVE_OR_NONE = ("actor_rollout_ref.rollout.multi_turn.max_tokens_per_turn", "data.val_batch_size", "trainer.total_training_steps", "trainer.ray_init.num_cpus")
 _POSITIVE_OR_DISABLED = ("trainer.save_freq", "trainer.test_freq")
 _FRACTIONS = (  # values in [0, 1]
     "algorithm.gamma", "algorithm.lam",
@@ -388,7 +392,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: logger_problems(get("trainer.logger")), lambda: vllm_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get("actor_rollout_ref.actor.strategy")),
-               lambda: parallel_layout_problems(get), lambda: lora_problems(get)]
+               lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

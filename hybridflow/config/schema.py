@@ -92,6 +92,20 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    # multi-turn, tool-calling rollouts (hybridflow.rollout.multi_turn; README "Multi-turn rollouts and tools")
+    enable: bool = False  # run the multi-turn loop over the rollout backend; needs a tokenizer with a chat template
+    max_assistant_turns: int = 5  # model turns per trajectory (a tool call at the last one ends it: max_turns)
+    max_user_turns: int = 5  # observation (tool-response) turns per trajectory
+    # tokens one model turn may sample; null = what is left of data.max_response_length (the whole-response budget)
+    max_tokens_per_turn: Optional[int] = None
+    tool_config_path: Optional[str] = None  # YAML listing the tools (hybridflow/tools/config.py); null = calculator
+    format: str = "hermes"  # tool-call format registry name (hybridflow.tools.formats): hermes = <tool_call>{json}
+    tool_timeout_s: float = 10.0  # seconds a tool call may take before it becomes an error observation
+    max_tool_response_length: int = 256  # characters of a tool result kept in its observation
+
+
+@dataclass
 class RolloutConfig:
     name: str = "hf"  # rollout backend registry name: hf | vllm
     n: int = 1  # samples per prompt
@@ -109,6 +123,7 @@ class RolloutConfig:
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
     # with these settings and logs val/mean@<n>
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass

@@ -81,7 +81,8 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
     return rows
 
 
-def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any) -> tuple[str, bool]:
+def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any,
+                 tools: Optional[Sequence[dict]] = None) -> tuple[str, bool]:
     """Return ``(text, add_bos)`` for row ``i`` per the module's prompt text rule; raise DataError if malformed."""
     if prompt_key not in row:
         raise DataError(f"missing prompt key {prompt_key!r}; keys: {sorted(row)}", row=i)
@@ -101,7 +102,8 @@ def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any) -> tuple[st
                             row=i)
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), False
+        kwargs = {"tools": list(tools)} if tools else {}  # multi-turn: the tool schemas the model may call
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs), False
     return "\n".join(m["content"] for m in messages), True
 
 
@@ -129,6 +131,8 @@ class RLHFDataset(Dataset):
         truncation: what to do with a prompt longer than ``max_prompt_length``: ``"error"`` raises,
             ``"left"`` keeps the last ``max_prompt_length`` tokens, ``"right"`` keeps the first ones,
             ``"filter"`` drops the row (``self.num_filtered`` counts them; a warning is logged).
+        tools: tool schemas passed to the chat template as ``tools=`` (multi-turn rollouts,
+            :meth:`hybridflow.rollout.multi_turn.MultiTurnLoop.tool_schemas`); None renders without tools.
 
     Raises:
         ValueError: an unknown ``truncation`` or ``max_prompt_length < 1``.
@@ -150,6 +154,7 @@ class RLHFDataset(Dataset):
         max_prompt_length: int,
         prompt_key: str = "prompt",
         truncation: str = "error",
+        tools: Optional[Sequence[dict]] = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -162,7 +167,7 @@ class RLHFDataset(Dataset):
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise DataError(f"expected a dict, got {type(row).__name__}", row=i)
-            text, bos = _prompt_text(row, i, prompt_key, tokenizer)
+            text, bos = _prompt_text(row, i, prompt_key, tokenizer, tools)
             data_source = row.get("data_source")
             if not isinstance(data_source, str):
                 raise DataError(f"data_source must be a str, got {data_source!r}", row=i)

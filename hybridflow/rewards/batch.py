@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import ComputeScoreFn, get_reward_fn
 
-__all__ = ["decode_responses", "score_batch"]
+__all__ = ["decode_responses", "multi_turn_info", "score_batch"]
 
 
 def decode_responses(tokenizer: Any, data: DataProto) -> list[str]:
@@ -25,11 +25,28 @@ def decode_responses(tokenizer: Any, data: DataProto) -> list[str]:
     return [tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(len(data))]
 
 
+def multi_turn_info(tokenizer: Any, data: DataProto, row: int, extra_info: Any) -> Any:
+    """``extra_info`` of a multi-turn row (one with the rollout's ``turn_spans`` column) extended with the model
+    turns and the tool results kept apart: ``model_turns`` (the decoded text of each model turn, special tokens
+    skipped) and ``tool_calls`` (the rollout's list of dicts: name, arguments, result, error, latency_s, turn);
+    a single-turn row's ``extra_info`` is returned unchanged. Never modifies the batch's own dict."""
+    nt = data.non_tensor_batch
+    if "turn_spans" not in nt or tokenizer is None:
+        return extra_info
+    ids = data.batch["responses"][row].tolist()
+    turns = [tokenizer.decode(ids[start:end], skip_special_tokens=True)
+             for kind, start, end in nt["turn_spans"][row] if kind == "model"]
+    base = dict(extra_info) if isinstance(extra_info, dict) else {} if extra_info is None else {"extra_info": extra_info}
+    return {**base, "model_turns": turns, "tool_calls": list(nt["tool_calls"][row]) if "tool_calls" in nt else []}
+
+
 def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] = None,
                 error_score: Optional[float] = None, return_errors: bool = False,
                 compute_score: Optional[ComputeScoreFn] = None):
     """Per-row scores of a rollout batch by the reward registered for each row's ``data_source``, or by a user
     ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (``reward_model.compute_score``).
+    ``solution_str`` is the text of the model's tokens (``response_mask`` 1); for a multi-turn row ``extra_info``
+    also holds the model turns and the tool calls with their results, apart (:func:`multi_turn_info`).
 
     Args:
         tokenizer: the policy's tokenizer (used only when ``texts`` is None).
@@ -63,7 +80,8 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
     extra = nt.get("extra_info")
     scores, errors = [], []
     for i, text in enumerate(texts):
-        source, truth, info = nt["data_source"][i], nt["ground_truth"][i], None if extra is None else extra[i]
+        source, truth = nt["data_source"][i], nt["ground_truth"][i]
+        info = multi_turn_info(tokenizer, data, i, None if extra is None else extra[i])
         if compute_score is None:
             reward = get_reward_fn(source)  # an unknown data_source is a data error, never scored
         try:

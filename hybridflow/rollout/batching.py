@@ -7,7 +7,7 @@ tokens.
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -95,6 +95,7 @@ def build_rollout_output(
     log_probs: torch.Tensor,
     seconds: float,
     eos_ids: Sequence[int] | torch.Tensor,
+    response_attention: Optional[torch.Tensor] = None,
 ) -> DataProto:
     """The rollout output batch (the layout :meth:`BaseRollout.generate_sequences` promises).
 
@@ -105,6 +106,8 @@ def build_rollout_output(
         log_probs: (N, R) float32, 0 where ``response_mask`` is 0.
         seconds: wall-clock generation time, reported as ``meta_info["generate_seconds"]``.
         eos_ids: the ids that ended a response in this call.
+        response_attention: (N, R) the response part of ``attention_mask`` when it differs from ``response_mask``
+            (multi-turn: observation tokens are attended to but not trained on); default ``response_mask``.
 
     Returns:
         tensors ``prompts`` (N, P); ``responses`` (N, R); ``input_ids`` (N, P+R) = cat(prompts, responses);
@@ -120,7 +123,8 @@ def build_rollout_output(
         "prompts": input_ids,
         "responses": responses,
         "input_ids": torch.cat([input_ids, responses], dim=1),
-        "attention_mask": torch.cat([attention_mask, response_mask.to(attention_mask.dtype)], dim=1),
+        "attention_mask": torch.cat([attention_mask, (response_mask if response_attention is None
+                                                      else response_attention).to(attention_mask.dtype)], dim=1),
         "position_ids": torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,

@@ -23,6 +23,7 @@ from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
+from hybridflow.tools.config import prompt_tool_schemas
 from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 from hybridflow.workers.critic_worker import CriticWorker
 from hybridflow.workers.generator_worker import GeneratorWorker
@@ -77,7 +78,8 @@ def load_split(config, tokenizer, split: str) -> RLHFDataset:
         if not files:
             rows = make_builtin_rows(split, size, data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
-        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation)
+        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
+                              tools=prompt_tool_schemas(config))
         rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")
         if rule_reward_used and config.reward_model.compute_score == "default":
             check_data_sources(rows)

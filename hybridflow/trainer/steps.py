@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean, overlong_reward_penalty
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.multi_turn import multi_turn_metrics
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import WORKER_TIME_PREFIX
 
@@ -95,6 +96,7 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
     if "rollout_log_probs" in b:
         diff = (b["rollout_log_probs"] - b["old_log_probs"]).abs()[mask]
         metrics["rollout/logprob_diff_max"] = diff.max().item() if diff.numel() else 0.0
+    metrics.update(multi_turn_metrics(data))  # turns, tool calls/errors/latency, finish reasons (multi-turn only)
     return metrics
 
 

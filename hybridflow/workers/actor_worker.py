@@ -36,6 +36,7 @@ from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import get_rollout_class
+from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.optim import build_lr_scheduler, build_optimizer
 from hybridflow.workers.ppo_actor import PPOActor
 
@@ -97,6 +98,7 @@ class ActorRolloutRefWorker(Worker):
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
         self._lora = lora_lib.lora_enabled(config.actor_rollout_ref.model)  # actor wrapped by peft (README "LoRA")
         self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
+        self.multi_turn = None  # the multi-turn tool loop around the rollout (rollout.multi_turn.enable)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -130,6 +132,7 @@ class ActorRolloutRefWorker(Worker):
             self.actor = PPOActor(module, optimizer, cfg.actor, sampling, self.config.trainer.nonfinite_grad,
                                   loss_scale_factor=scale)
         if self._has_rollout:
+            self.multi_turn = MultiTurnLoop.from_config(self.config, self.tokenizer)
             rollout_cls = get_rollout_class(cfg.rollout.name)
             rollout_module = None  # a backend with its own engine (vllm) loads the checkpoint from the path
             # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
@@ -221,7 +224,7 @@ class ActorRolloutRefWorker(Worker):
         peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
-        out = self.rollout.generate_sequences(with_rank_seed(prompts, gen_dp_rank))
+        out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
         if self.sync_metrics:
             out.meta_info["sync_metrics"] = self.sync_metrics
         if self.engine is not None:

@@ -26,6 +26,7 @@ from hybridflow.distributed.weight_sync import WeightTransferGroup
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import get_rollout_class
+from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.actor_worker import make_rollout_config, setup_worker_process, with_rank_seed
 from hybridflow.workers.timing import report_time
 
@@ -72,6 +73,7 @@ class GeneratorWorker(Worker):
             names = quantize_linear_layers(module)
             logger.info("generator rank %d: %d Linear layers quantized to int8", self.rank, len(names))
         self.module = module
+        self.multi_turn = MultiTurnLoop.from_config(self.config, tokenizer)
         self.rollout = rollout_cls.from_config(
             path, module, make_rollout_config(self.config), eos_token_id=get_eos_token_ids(path, tokenizer),
             pad_token_id=tokenizer.pad_token_id, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
@@ -119,7 +121,7 @@ class GeneratorWorker(Worker):
         with self._generate_lock:
             self._load_staged()
             gen_dp_rank = self._query_dispatch_info("rollout")[0]
-            out = self.rollout.generate_sequences(with_rank_seed(prompts, gen_dp_rank))
+            out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
             out.batch["policy_version"] = torch.full((len(out),), self.version, dtype=torch.long)
             out.meta_info.pop("seed", None)
             return out

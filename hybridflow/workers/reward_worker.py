@@ -18,12 +18,17 @@ from hybridflow.rewards.cost import get_cost_fn
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Scatter per-sequence ``scores`` (B,) onto the last valid token of ``response_mask`` (B, R) -> (B, R) fp32.
-    A sequence with no valid token gets no reward."""
+    """Scatter per-sequence ``scores`` (B,) onto the last token of ``response_mask`` (B, R) that is 1 -> (B, R) fp32.
+    A sequence with no valid token gets no reward.
+
+    The last 1 of the mask, not ``mask.sum() - 1``: in a multi-turn response the mask has holes (observation
+    tokens are 0), so the count of model tokens is not the position of the last one."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.long().sum(-1)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    out[rows, lengths[rows] - 1] = scores[rows].float()
+    valid = response_mask.cpu() != 0
+    positions = torch.arange(valid.shape[-1])
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = scores[rows].float().cpu()
     return out
 
 
