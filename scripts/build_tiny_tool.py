@@ -111,16 +111,34 @@ def segments(tokenizer: PreTrainedTokenizerFast, problem: ToolProblem, use_tool:
             (render_observation(tokenizer, str(problem.answer)), False), final]
 
 
-def encode(tokenizer: PreTrainedTokenizerFast, problem: ToolProblem, use_tool: bool) -> tuple[list[int], list[int]]:
+BRANCH_TOKENS = 2  # the first tokens of the first model turn: " <tool_call>" vs " ####" (call or answer)
+
+
+def encode(tokenizer: PreTrainedTokenizerFast, problem: ToolProblem, use_tool: bool,
+           branch_label: bool = True) -> tuple[list[int], list[int]]:
     """``(ids, labels)``: each segment tokenized on its own (no specials), EOS after each model turn; labels are
-    the ids on model turns (and their EOS) and -100 elsewhere."""
+    the ids on model turns (and their EOS) and -100 elsewhere; without ``branch_label`` also -100 on the first
+    ``BRANCH_TOKENS`` model tokens (the example then teaches the call, not the choice to call)."""
     ids: list[int] = []
     labels: list[int] = []
     for text, is_model in segments(tokenizer, problem, use_tool):
         part = tokenizer(text, add_special_tokens=False).input_ids + ([tokenizer.eos_token_id] if is_model else [])
+        if is_model and not branch_label and len(labels) == len(ids) and all(x == -100 for x in labels):
+            labels += [-100] * BRANCH_TOKENS + part[BRANCH_TOKENS:]
+        else:
+            labels += part if is_model else [-100] * len(part)
         ids += part
-        labels += part if is_model else [-100] * len(part)
     return ids, labels
+
+
+def draw_example(rng: random.Random, tool_fraction: float, call_fraction: float) -> tuple[bool, bool]:
+    """``(use_tool, branch_label)`` of one SFT example: a tool path with probability ``call_fraction`` (>=
+    ``tool_fraction``), whose choice-to-call tokens are labelled with probability ``r`` chosen so that among the
+    examples whose first tokens are labelled a share ``tool_fraction`` calls: ``r * c / (r * c + 1 - c) = t``."""
+    if not rng.random() < call_fraction:
+        return False, True
+    r = 1.0 if call_fraction >= 1.0 else tool_fraction * (1 - call_fraction) / ((1 - tool_fraction) * call_fraction)
+    return True, rng.random() < r
 
 
 def build_tokenizer(problems: list[ToolProblem], vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -174,8 +192,10 @@ def _make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
 
 
 def sft_train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[ToolProblem], *,
-              steps: int, batch_size: int, lr: float, tool_fraction: float, seed: int) -> list[float]:
-    """SFT on the tool/direct mixture (fresh Bernoulli(tool_fraction) draw per example).
+              steps: int, batch_size: int, lr: float, tool_fraction: float, seed: int,
+              call_fraction: float | None = None) -> list[float]:
+    """SFT on the tool/direct mixture (a fresh :func:`draw_example` per example; ``call_fraction`` None means
+    ``tool_fraction``, i.e. every example labels its choice).
 
     AdamW, linear warmup (5% of steps) then cosine decay to 10% of ``lr``. Returns the loss per step.
     """
@@ -192,7 +212,8 @@ def sft_train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, probl
     model.train()
     losses = []
     for step in range(steps):
-        examples = [encode(tokenizer, problems[rng.randrange(len(problems))], rng.random() < tool_fraction)
+        examples = [encode(tokenizer, problems[rng.randrange(len(problems))],
+                           *draw_example(rng, tool_fraction, call_fraction or tool_fraction))
                     for _ in range(batch_size)]
         input_ids, mask, labels = _make_batch(examples, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
@@ -202,7 +223,7 @@ def sft_train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, probl
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if step % 100 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             logger.info("sft step %d/%d loss %.4f", step, steps, loss.item())
     model.eval()
     return losses
@@ -217,15 +238,22 @@ def _portable_tokenizer_class(out: Path) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def build(out: Path, *, steps: int, batch_size: int = 32, lr: float = 3e-3, tool_fraction: float = 0.3,
-          seed: int = 0, num_train_problems: int = 20000) -> dict:
-    """Build tokenizer + model, SFT them, save everything into ``out``; return the build info."""
+def build(out: Path, *, steps: int, batch_size: int = 16, lr: float = 3e-3, tool_fraction: float = 0.3,
+          seed: int = 0, num_train_problems: int = 20000, call_fraction: float | None = None,
+          init_from: Path | None = None) -> dict:
+    """Build tokenizer + model (or load both from ``init_from``, a previous build: a further SFT stage), SFT them,
+    save everything into ``out``; return the build info (with ``init_from``, the earlier stages under
+    ``"stages"``)."""
     start = time.perf_counter()
     problems = make_tool_problems("train", num_train_problems, seed)
-    tokenizer = build_tokenizer(problems)
-    model = build_model(tokenizer, seed)
+    if init_from is None:
+        tokenizer = build_tokenizer(problems)
+        model = build_model(tokenizer, seed)
+    else:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(init_from)
+        model = LlamaForCausalLM.from_pretrained(init_from)
     losses = sft_train(model, tokenizer, problems, steps=steps, batch_size=batch_size, lr=lr,
-                       tool_fraction=tool_fraction, seed=seed)
+                       tool_fraction=tool_fraction, seed=seed, call_fraction=call_fraction)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -233,10 +261,14 @@ def build(out: Path, *, steps: int, batch_size: int = 32, lr: float = 3e-3, tool
     tail = losses[-50:] or [float("nan")]
     info = {
         "task": DATA_SOURCE, "seed": seed, "sft_steps": steps, "batch_size": batch_size, "lr": lr,
-        "tool_fraction": tool_fraction, "num_parameters": sum(p.numel() for p in model.parameters()),
+        "tool_fraction": tool_fraction, "call_fraction": call_fraction or tool_fraction,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokenizer_vocab": len(tokenizer), "final_loss_mean_last_50": sum(tail) / len(tail),
         "build_seconds": round(time.perf_counter() - start, 1), "torch_threads": torch.get_num_threads(),
     }
+    if init_from is not None:
+        earlier = json.loads((Path(init_from) / "build_info.json").read_text())
+        info["stages"] = earlier.pop("stages", []) + [earlier]
     (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
@@ -306,12 +338,18 @@ def gsm8k_answer(text: str) -> int | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=600, help="SFT steps")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=500, help="SFT steps")
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     parser.add_argument("--tool-fraction", type=float, default=0.3,
                         help="share of SFT responses that call the calculator")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-train-problems", type=int, default=20000, help="distinct train problems drawn")
+    parser.add_argument("--call-fraction", type=float, default=None,
+                        help="share of SFT examples on the calculator path (>= --tool-fraction; the extra ones "
+                             "teach the call without labelling the choice to call); default --tool-fraction")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue from this earlier build (its tokenizer and weights): a further SFT stage")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
     parser.add_argument("--check", type=int, default=0, metavar="N",
                         help="only check the model in --out on N val problems (greedy and sampled) and print JSON")
@@ -326,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
                           for mode in ("greedy", "sampled")}, indent=2))
         return
     info = build(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                 tool_fraction=args.tool_fraction, seed=args.seed)
+                 tool_fraction=args.tool_fraction, seed=args.seed, num_train_problems=args.num_train_problems,
+                 call_fraction=args.call_fraction, init_from=args.init_from)
     print(json.dumps(info, indent=2))
 
 

@@ -3,7 +3,8 @@
 Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. When
 ``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
 ``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
-With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response).
+With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response). Multi-turn runs also
+log the greedy pass's tool metrics: ``val/tool/calls_mean``, ``val/tool/correct_call``, ... (:func:`tool_metrics`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.multi_turn import multi_turn_metrics
 from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -50,14 +52,33 @@ def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callab
             prompts.meta_info.update(sampling, seed=seed)
             gen = generate(prompts)
             columns = chunk.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch
+            columns.update(gen.non_tensor_batch)  # the multi-turn record (turn spans, tool calls) for the reward
             rows = DataProto(batch=gen.batch, non_tensor_batch=columns)
             yield rows, score(rows)
             progress.update(len(chunk))
 
 
+def tool_metrics(rows: list[DataProto], prefix: str) -> dict[str, float]:
+    """Multi-turn metrics of validation responses (empty for single-turn ones): ``<prefix>/tool/calls_mean`` and
+    the rest of :func:`~hybridflow.rollout.multi_turn.multi_turn_metrics`, and ``<prefix>/tool/correct_call``: the
+    share of responses with a tool call that ran without error and returned the row's ground truth (the answer
+    was computed by the tool, e.g. the calculator on builtin:tool-arith)."""
+    rows = [r for r in rows if "tool_calls" in r.non_tensor_batch]
+    if not rows:
+        return {}
+    data = DataProto.concat([r.select(batch_keys=[]) for r in rows])  # chunks may differ in width
+    metrics = {f"{prefix}/{k}": v for k, v in multi_turn_metrics(data).items()}
+    nt = data.non_tensor_batch
+    correct = [any(c["error"] is None and str(c["result"]).strip() == str(truth).strip() for c in calls)
+               for calls, truth in zip(nt["tool_calls"], nt["ground_truth"])]
+    metrics[f"{prefix}/tool/correct_call"] = float(np.mean(correct))
+    return metrics
+
+
 def _scores(config, actor, reward, val_data: DataProto, sampling: dict, cost=None,
-            costs: list[float] | None = None) -> tuple[list[float], list[str]]:
-    """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``."""
+            costs: list[float] | None = None, generated: list[DataProto] | None = None) -> tuple[list[float], list[str]]:
+    """Scores and data sources of the responses; with ``cost``, also appends their costs to ``costs``; with
+    ``generated``, appends the scored rows to it."""
     scores: list[float] = []
     sources: list[str] = []
     name = "greedy" if not sampling["do_sample"] else f"mean@{sampling['n']}"
@@ -70,6 +91,8 @@ def _scores(config, actor, reward, val_data: DataProto, sampling: dict, cost=Non
                                                  f"validation ({name})"):
         scores.extend(chunk_scores)
         sources.extend(rows.non_tensor_batch["data_source"].tolist())
+        if generated is not None:
+            generated.append(rows)
         if cost is not None:
             costs.extend(cost.compute_cost(rows).sum(-1).tolist())
     return scores, sources
@@ -88,7 +111,9 @@ def validate(config, actor, reward, val_data: DataProto, cost=None) -> dict[str,
     """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source; with
     ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``."""
     costs: list[float] = []
-    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY, cost, costs))
+    generated: list[DataProto] = []
+    metrics = _summarise("val/score", *_scores(config, actor, reward, val_data, GREEDY, cost, costs, generated))
+    metrics.update(tool_metrics(generated, "val"))
     if cost is not None:
         metrics["val/cost"] = float(np.mean(costs))
     kw = config.actor_rollout_ref.rollout.val_kwargs
