@@ -114,6 +114,8 @@ class BaseRollout(abc.ABC):
             top-k / top-p truncation, renormalised; see "Sampling logprobs" above), 0 where the mask is 0, and
             ``truncated`` (B*n,) bool (cut by the length limit, no eos).
             B: prompts, n: samples per prompt, P: prompt tokens, R: response tokens.
+            A multi-turn rollout (:mod:`hybridflow.rollout.multi_turn`) keeps this layout; there the response part
+            of ``attention_mask`` is 1 on observation tokens, where ``response_mask`` is 0.
 
         Raises:
             RolloutAsleepError: if called between ``sleep()`` and ``wake()``.

@@ -30,8 +30,9 @@ class ChatDelta:
         tools: the tool schemas passed as ``tools=`` (the same the prompts were rendered with), or None.
 
     Raises:
-        ValueError: the tokenizer has no chat template, or its rendering of a new message changes the tokens
-            of the conversation before it (then no token-exact append exists; the message says which).
+        ValueError: the tokenizer has no chat template, it cannot render a ``tool`` message, or its rendering of
+            a new message changes the tokens of the conversation before it (then no token-exact append exists;
+            the message says which).
     """
 
     def __init__(self, tokenizer: Any, tools: Optional[Sequence[dict]] = None) -> None:
@@ -47,6 +48,13 @@ class ChatDelta:
         if at < 0:
             raise ValueError("cannot locate an assistant message's content in the chat template's rendering")
         self.end_of_turn: list[int] = self._prefix_ids[at + len(mark):]
+        try:  # fail at construction, not at the first tool call, on a template without a tool role
+            self.tool_observation([("probe", "probe")])
+        except ValueError:
+            raise
+        except Exception as err:  # jinja2 raises TemplateError (or what the template's raise_exception raises)
+            raise ValueError(f"the chat template cannot render a 'tool' message ({type(err).__name__}: {err}); "
+                             "multi-turn rollouts need a template with a tool role (e.g. Qwen2/Hermes)") from None
 
     def _encode(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         kwargs = {"tools": self.tools} if self.tools else {}

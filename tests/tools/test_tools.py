@@ -165,3 +165,24 @@ def test_http_tool_against_a_local_service(service):
     call = ToolCall("http", {})
     asyncio.run(run_calls([("t", [call])], {"http": dead}, timeout_s=10, max_chars=100))
     assert "service unreachable" in call.error
+
+
+def test_calls_of_different_trajectories_run_concurrently():
+    """Each call waits until all three have started (an asyncio barrier): run one after the other, the first
+    would time out."""
+
+    class Meet(Tool):
+        def __init__(self):
+            super().__init__()
+            self.barrier = None
+
+        async def call(self, arguments, *, instance_id=None):
+            self.barrier = self.barrier or asyncio.Barrier(3)
+            await self.barrier.wait()
+            return instance_id
+
+    tools = {"meet": Meet()}
+    rounds = [(f"t{i}", [ToolCall("meet")]) for i in range(3)]
+    asyncio.run(run_calls(rounds, tools, timeout_s=30, max_chars=100))
+    assert [calls[0].result for _, calls in rounds] == ["t0", "t1", "t2"]
+    assert all(calls[0].error is None for _, calls in rounds)

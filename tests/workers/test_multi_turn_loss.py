@@ -1,7 +1,8 @@
 """Observation tokens carry no gradient through the actor's loss (policy loss + entropy bonus + KL loss, every
 aggregation mode): the weight change of one SGD step (lr 1, no clipping: the change IS the gradient) is the same
 when the observation tokens are replaced by other tokens, and when the logits at observation positions are
-perturbed. Model: a random tiny Llama; trajectories of prompt, model turn, observation, model turn."""
+perturbed; the critic gives no value there and its loss ignores those positions. Model: a random tiny Llama;
+trajectories of prompt, model turn, observation, model turn."""
 
 from __future__ import annotations
 
@@ -132,3 +133,37 @@ def test_perturbed_logits_at_model_positions_do_change_the_step(monkeypatch):
     monkeypatch.setattr(ppo_actor, "response_forward", perturbed)
     changed = _step(_batch(), "token-mean")
     assert any(not torch.allclose(reference[k], changed[k], rtol=1e-3, atol=1e-6) for k in reference)
+
+
+def _critic_step(data: DataProto):
+    from transformers import LlamaForTokenClassification
+
+    from hybridflow.config.schema import CriticConfig
+    from hybridflow.workers.ppo_critic import PPOCritic
+
+    torch.manual_seed(0)
+    model = LlamaForTokenClassification(LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1))
+    cfg = OmegaConf.structured(CriticConfig)
+    cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = 2, 1e9
+    critic = PPOCritic(model, torch.optim.SGD(model.parameters(), lr=1.0), cfg)
+    values = critic.compute_values(data, micro_batch_size=2)
+    before = {k: v.clone() for k, v in iter_full_state(model)}
+    critic.update_critic(data, mini_batch_size=B)
+    return values, {k: before[k] - v for k, v in iter_full_state(model)}
+
+
+def test_critic_values_and_loss_only_on_model_tokens():
+    """Values are 0 at observation positions; the value loss ignores what the returns/old values hold there."""
+    data = _batch()
+    g = torch.Generator().manual_seed(5)
+    data.batch["returns"], data.batch["values"] = torch.randn(B, R, generator=g), torch.randn(B, R, generator=g)
+    values, reference = _critic_step(data)
+    assert torch.all(values[data.batch["response_mask"] == 0] == 0)
+    assert torch.all(values[data.batch["response_mask"] == 1] != 0)
+    obs = data.batch["response_mask"] == 0
+    changed = _batch()
+    for key in ("returns", "values"):
+        changed.batch[key] = torch.where(obs, torch.randn(B, R, generator=g) * 100, data.batch[key])
+    _assert_same(reference, _critic_step(changed)[1])
