@@ -117,3 +117,43 @@ def test_shipped_model_calls_the_calculator_in_some_sampled_answers(repo_script)
     assert sampled["direct_score"] <= 0.1, sampled
     greedy = build.check(model, tokenizer, problems, do_sample=False)
     assert greedy["score"] <= 0.5, greedy
+
+
+@pytest.mark.slow
+def test_shipped_model_in_the_multi_turn_loop():
+    """The real loop (hf backend, calculator) on the shipped model: every call's observation is the template's
+    ``</s><tool_response>RESULT</tool_response>\\nAnswer:`` with mask 0, RESULT is the value of the called
+    expression, and model spans carry mask 1."""
+    from types import SimpleNamespace
+
+    from hybridflow.data.dataset import RLHFDataset, collate_fn
+    from hybridflow.data.tool_task import make_tool_rows
+    from hybridflow.rollout import HFRollout
+    from hybridflow.rollout.multi_turn import MultiTurnLoop, MultiTurnSettings
+    from hybridflow.tools import load_tools
+    from hybridflow.tools.calculator import evaluate, format_number
+
+    model, tok = _load(resolve_model_path("builtin:tiny-tool"))
+    cfg = SimpleNamespace(response_length=96, n=4, do_sample=True, temperature=1.0, top_p=1.0, top_k=-1,
+                          micro_batch_size=32)
+    backend = HFRollout(model, cfg, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    loop = MultiTurnLoop(tok, load_tools(None), MultiTurnSettings(max_assistant_turns=3, max_user_turns=2))
+    rows = make_tool_rows("val", 8, seed=1)
+    dataset = RLHFDataset(rows, tok, 80, tools=loop.tool_schemas)
+    batch = collate_fn([dataset[i] for i in range(len(dataset))], tok.pad_token_id, 80)
+    batch.meta_info.update(seed=0)
+    out = loop.generate(backend, batch)
+    nt = out.non_tensor_batch
+    assert sum(len(calls) for calls in nt["tool_calls"]) > 0  # 32 samples at ~30% calls
+    for row in range(len(out)):
+        ids, mask = out.batch["responses"][row].tolist(), out.batch["response_mask"][row].tolist()
+        observations = [(s, e) for kind, s, e in nt["turn_spans"][row] if kind == "observation"]
+        assert len(observations) == len(nt["tool_calls"][row])
+        for (start, end), call in zip(observations, nt["tool_calls"][row]):
+            assert set(mask[start:end]) == {0}
+            if call["error"] is None:  # (a malformed call gets an error observation instead)
+                assert call["result"] == format_number(evaluate(call["arguments"]["expression"]))
+                assert tok.decode(ids[start:end]) == f"</s><tool_response>{call['result']}</tool_response>\nAnswer:"
+        for kind, start, end in nt["turn_spans"][row]:
+            if kind == "model":
+                assert set(mask[start:end]) == {1}
