@@ -113,7 +113,7 @@ def test_shipped_model_calls_the_calculator_in_some_sampled_answers(repo_script)
     problems = make_tool_problems("val", 96, seed=0)
     sampled = build.check(model, tokenizer, problems, do_sample=True, seed=0)
     assert 0.15 <= sampled["tool_call_fraction"] <= 0.5, sampled
-    assert sampled["correct_call_fraction"] >= 0.5 * sampled["tool_call_fraction"], sampled
+    assert sampled["correct_call_fraction"] >= 0.3 * sampled["tool_call_fraction"], sampled
     assert sampled["direct_score"] <= 0.1, sampled
     greedy = build.check(model, tokenizer, problems, do_sample=False)
     assert greedy["score"] <= 0.5, greedy

@@ -10,8 +10,7 @@ Rebuild it with
 ``tiny-tool``: the same architecture with its own tokenizer (every digit one token; the Hermes tool strings are
 added tokens) and a chat template that renders ``tools=`` and ``tool`` messages, SFT-trained on the tool-use task
 (``hybridflow.data.tool_task``) to call the ``calculator`` in ~30% of its sampled answers and to guess otherwise:
-the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with
-``python scripts/build_tiny_tool.py --out hybridflow/assets/tiny-tool``.
+the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the two stages in ``scripts/build_tiny_tool.py``'s docstring.
 """
 
 from __future__ import annotations
