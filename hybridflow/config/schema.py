@@ -227,8 +227,8 @@ class AlgorithmConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Optional[Any] = None  # parquet file or list of files; None uses the built-in task
-    val_files: Optional[Any] = None  # parquet file or list of files; None uses the built-in task
+    train_files: Optional[Any] = None  # parquet file(s) or builtin:NAME (arith, tool-arith); None: builtin arith
+    val_files: Optional[Any] = None  # parquet file(s) or builtin:NAME (arith, tool-arith); None: builtin arith
     builtin_train_size: int = 4096  # prompts in the built-in task's train split
     builtin_val_size: int = 128  # prompts in the built-in task's validation split
     prompt_key: str = "prompt"  # column with the chat messages (or a plain string)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from hybridflow.errors import DataError
 from hybridflow.registry import Registry
-from hybridflow.rewards import gsm8k, math
+from hybridflow.rewards import gsm8k, math, tool_arith
 
 RewardFn = Callable[[str, str, Any], float]
 # verl's custom reward function: fn(data_source, solution_str, ground_truth, extra_info=None) -> float
@@ -136,6 +136,11 @@ def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) 
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
 
 
+@register_reward("hybridflow/tool_arith")
+def _tool_arith(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    return tool_arith.compute_score(solution_str, ground_truth, extra_info)
+
+
 @register_reward(*MATH_DATA_SOURCES)
 def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return math.compute_score(solution_str, ground_truth)
@@ -143,4 +148,4 @@ def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) ->
 
 __all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
            "load_compute_score", "register_reward",
-           "gsm8k", "math"]
+           "gsm8k", "math", "tool_arith"]

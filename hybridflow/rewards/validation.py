@@ -55,6 +55,7 @@ def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callab
             prompts.meta_info.update(sampling, seed=seed)
             gen = generate(prompts)
             columns = chunk.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch
+            columns.update(gen.non_tensor_batch)  # the multi-turn record (turn spans, tool calls) for the reward
             rows = DataProto(batch=gen.batch, non_tensor_batch=columns)
             yield rows, score(rows)
             progress.update(len(chunk))

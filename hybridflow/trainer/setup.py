@@ -14,6 +14,7 @@ import torch
 from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
 from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
+from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
 from hybridflow.errors import DataError, UserError
@@ -53,7 +54,8 @@ def init_ray(config: DictConfig) -> bool:
 
 
 def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: str) -> RLHFDataset:
-    """The ``train`` or ``val`` prompts: ``data.<split>_files`` (or the built-in task's split when unset),
+    """The ``train`` or ``val`` prompts: ``data.<split>_files`` (parquet files, or ``builtin:NAME`` for a built-in
+    task's split, :mod:`hybridflow.data.builtin`; the built-in arith task when unset),
     tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
     not used, ``reward_model.enable`` with ``combine=model``, or is a user's ``reward_model.compute_score``).
 
@@ -68,13 +70,14 @@ def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: st
     sizes: list[tuple[str, int]] = []  # (file, rows), to name the file of a row
     rows: list[dict] = []
     try:
+        size = data.builtin_train_size if split == "train" else data.builtin_val_size
         for path in files:
-            part = load_rows(path, data.prompt_key)
+            part = (builtin_task_rows(path, split, size, data.seed) if is_builtin_task(path)
+                    else load_rows(path, data.prompt_key))
             sizes.append((path, len(part)))
             rows += part
         if not files:
-            rows = make_builtin_rows(split, data.builtin_train_size if split == "train" else data.builtin_val_size,
-                                     data.seed)
+            rows = make_builtin_rows(split, size, data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
         dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
                               tools=prompt_tool_schemas(config))

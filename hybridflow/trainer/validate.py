@@ -3,7 +3,8 @@
 Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. When
 ``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
 ``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
-With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response).
+With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response). Multi-turn runs also
+log the greedy pass's tool metrics: ``val/tool/calls_mean``, ``val/tool/correct_call``, ... (:func:`tool_metrics`).
 
 The loop and the averages are :mod:`hybridflow.rewards.validation`'s, which ``hybridflow eval`` uses too.
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 from hybridflow.protocol import DataProto
 from hybridflow.rewards.validation import GREEDY, PROMPT_KEYS, generate_and_score, score_passes, summarise_scores
+from hybridflow.rollout.multi_turn import multi_turn_metrics
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -36,20 +38,40 @@ def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, c
                                       "top_k": kw.top_k, "n": kw.n}
         labels[f"val/mean@{kw.n}"] = f"mean@{kw.n}"
     costs: list[float] = []
+    greedy: list[DataProto] = []
 
     def score(rows: DataProto) -> list[float]:
         return reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist()
 
-    def cost_of_greedy(name: str, rows: DataProto, scores: list[float]) -> None:
+    def on_greedy(name: str, rows: DataProto, scores: list[float]) -> None:
         if name == "val/score":
-            costs.extend(cost.compute_cost(rows).sum(-1).tolist())
+            greedy.append(rows)
+            if cost is not None:
+                costs.extend(cost.compute_cost(rows).sum(-1).tolist())
 
     results = score_passes(actor.generate_sequences, score, val_data, passes, config.data.val_batch_size,
-                           config.trainer.seed, lambda name: f"validation ({labels[name]})",
-                           cost_of_greedy if cost is not None else None)
+                           config.trainer.seed, lambda name: f"validation ({labels[name]})", on_greedy)
     metrics: dict[str, float] = {}
     for name, (scores, sources) in results.items():
         metrics.update(summarise_scores(name, scores, sources))
+    metrics.update(tool_metrics(greedy, "val"))
     if cost is not None:
         metrics["val/cost"] = float(np.mean(costs))
+    return metrics
+
+
+def tool_metrics(rows: list[DataProto], prefix: str) -> dict[str, float]:
+    """Multi-turn metrics of validation responses (empty for single-turn ones): ``<prefix>/tool/calls_mean`` and
+    the rest of :func:`~hybridflow.rollout.multi_turn.multi_turn_metrics`, and ``<prefix>/tool/correct_call``: the
+    share of responses with a tool call that ran without error and returned the row's ground truth (the answer
+    was computed by the tool, e.g. the calculator on builtin:tool-arith)."""
+    rows = [r for r in rows if "tool_calls" in r.non_tensor_batch]
+    if not rows:
+        return {}
+    data = DataProto.concat([r.select(batch_keys=[]) for r in rows])  # chunks may differ in width
+    metrics = {f"{prefix}/{k}": v for k, v in multi_turn_metrics(data).items()}
+    nt = data.non_tensor_batch
+    correct = [any(c["error"] is None and str(c["result"]).strip() == str(truth).strip() for c in calls)
+               for calls, truth in zip(nt["tool_calls"], nt["ground_truth"])]
+    metrics[f"{prefix}/tool/correct_call"] = float(np.mean(correct))
     return metrics

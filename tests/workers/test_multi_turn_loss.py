@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hybridflow.workers.ppo_actor as ppo_actor
+import hybridflow.training.fsdp2 as fsdp2_engine  # where the policy forward slices the response logits
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import iter_full_state
@@ -108,29 +108,29 @@ def test_trailing_observation_tokens_change_nothing_even_as_inputs():
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_perturbed_logits_at_observation_positions_change_nothing(mode, monkeypatch):
     reference = _step(_batch(), mode)
-    forward = ppo_actor.response_forward
+    forward = fsdp2_engine.response_forward
 
-    def perturbed(module, micro, response_length):
-        logits = forward(module, micro, response_length)
+    def perturbed(module, micro, response_length, remove_padding=False):
+        logits = forward(module, micro, response_length, remove_padding)
         obs = (micro.batch["response_mask"] == 0).unsqueeze(-1)
         noise = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3)) * 10
         return torch.where(obs, logits + noise, logits)  # changes the logits the loss sees at observation slots
 
-    monkeypatch.setattr(ppo_actor, "response_forward", perturbed)
+    monkeypatch.setattr(fsdp2_engine, "response_forward", perturbed)
     _assert_same(reference, _step(_batch(), mode))
 
 
 def test_perturbed_logits_at_model_positions_do_change_the_step(monkeypatch):
     """Control: the same perturbation at model-token positions changes the step (the tests above can fail)."""
     reference = _step(_batch(), "token-mean")
-    forward = ppo_actor.response_forward
+    forward = fsdp2_engine.response_forward
 
-    def perturbed(module, micro, response_length):
-        logits = forward(module, micro, response_length)
+    def perturbed(module, micro, response_length, remove_padding=False):
+        logits = forward(module, micro, response_length, remove_padding)
         model_tokens = (micro.batch["response_mask"] == 1).unsqueeze(-1)
         return torch.where(model_tokens, logits + 3.0 * torch.arange(logits.shape[-1]) / logits.shape[-1], logits)
 
-    monkeypatch.setattr(ppo_actor, "response_forward", perturbed)
+    monkeypatch.setattr(fsdp2_engine, "response_forward", perturbed)
     changed = _step(_batch(), "token-mean")
     assert any(not torch.allclose(reference[k], changed[k], rtol=1e-3, atol=1e-6) for k in reference)
 

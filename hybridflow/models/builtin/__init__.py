@@ -7,6 +7,12 @@ takes a wrong shortcut while sampling is often right: the starting point of the 
 Rebuild it with
 ``python scripts/build_tiny_arith.py --out hybridflow/assets/tiny-arith`` and check it with
 ``python scripts/check_tiny_arith.py`` (repository scripts; the package ships the asset only).
+
+``tiny-tool``: the same architecture with its own tokenizer (every digit one token; the Hermes tool strings are
+added tokens) and a chat template that renders ``tools=`` and ``tool`` messages, SFT-trained on the tool-use task
+(``hybridflow.data.tool_task``) to call the ``calculator`` in ~30% of its sampled answers and to guess otherwise:
+the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the two stages in
+``scripts/build_tiny_tool.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
-BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith")}
+BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool")}
 
 
 def resolve_model_path(path: str) -> str:
