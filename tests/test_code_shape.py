@@ -1,92 +1,77 @@
-"""Code-shape figures of the package, measured with ``ast``: the fraction of typed function arguments per package
-(``self``/``cls`` excluded; ``*args``/``**kwargs`` count), function lengths and file lengths.
+"""Code-shape rules of the house (STYLE.md, issue 14 item 5) measured with ast over the package: no function over
+80 lines (from its ``def`` to its last line, docstring included), no file over 600 lines, and >= 95% of the
+arguments of every package's functions annotated (``self`` / ``cls`` not counted).
 
-Run ``python tests/test_code_shape.py`` for the table of every package. The test asserts the packages that meet the
-bar today (the others are reported, not asserted, until they are brought there).
+``PENDING`` names what other work of this round brings under the rules (the coordinator empties it at merge); an
+entry that already complies fails the test, so the list cannot go stale.
 """
 
-from __future__ import annotations
-
 import ast
-import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
-TYPED_BAR = 0.95
 MAX_FUNCTION_LINES = 80
 MAX_FILE_LINES = 600
-ASSERTED_TYPED = ("trainer",)  # packages held to TYPED_BAR by this test
+MIN_TYPED_FRACTION = 0.95
+PENDING = {
+    "function": set(),
+    "typed": set(),
+}
 
 
-def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path.relative_to(PACKAGE).as_posix(), path.read_text(encoding="utf-8")
+
+
+def _functions(tree: ast.AST):
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
-def _arguments(fn: ast.FunctionDef | ast.AsyncFunctionDef, in_class: bool) -> list[ast.arg]:
-    a = fn.args
-    args = [*a.posonlyargs, *a.args]
-    if in_class and args and args[0].arg in ("self", "cls"):
-        args = args[1:]
-    return args + [*a.kwonlyargs] + [x for x in (a.vararg, a.kwarg) if x is not None]
+def function_lengths(source: str) -> dict[str, int]:
+    """``qualified-ish name -> lines`` of every function (nested ones too) in ``source``."""
+    return {f"{n.name}@{n.lineno}": n.end_lineno - n.lineno + 1 for n in _functions(ast.parse(source))}
 
 
-def _methods(tree: ast.AST) -> set[ast.AST]:
-    return {n for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for n in c.body
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-
-
-def package_of(path: Path) -> str:
-    rel = path.relative_to(PACKAGE)
-    return rel.parts[0] if len(rel.parts) > 1 else "(top level)"
-
-
-def typed_fraction() -> dict[str, tuple[int, int]]:
-    """Package -> (typed arguments, all arguments)."""
-    out: dict[str, tuple[int, int]] = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        methods = _methods(tree)
-        typed = total = 0
-        for fn in _functions(tree):
-            for arg in _arguments(fn, fn in methods):
+def typed_arguments(source: str) -> tuple[int, int]:
+    """``(annotated, all)`` arguments of the functions of ``source``, without ``self`` and ``cls``."""
+    typed = total = 0
+    for fn in _functions(ast.parse(source)):
+        a = fn.args
+        for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, [a.vararg, a.kwarg])]:
+            if arg.arg not in ("self", "cls"):
                 total += 1
                 typed += arg.annotation is not None
-        t, n = out.get(package_of(path), (0, 0))
-        out[package_of(path)] = (t + typed, n + total)
-    return out
+    return typed, total
 
 
-def long_functions(paths: list[Path]) -> list[str]:
-    found = []
-    for path in paths:
-        for fn in _functions(ast.parse(path.read_text())):
-            lines = fn.end_lineno - fn.lineno + 1
-            if lines > MAX_FUNCTION_LINES:
-                found.append(f"{path.relative_to(PACKAGE.parent)}:{fn.lineno} {fn.name} ({lines} lines)")
-    return found
+def test_the_measures_on_a_known_source():
+    source = "def f(a: int, b, *c, d: str = '', **e):\n    '''doc'''\n    return 1\n\n\nclass K:\n    def m(self, x):\n        pass\n"
+    assert function_lengths(source) == {"f@1": 3, "m@7": 2}
+    assert typed_arguments(source) == (2, 6)
 
 
-def long_files(paths: list[Path]) -> list[str]:
-    return [f"{p.relative_to(PACKAGE.parent)} ({n} lines)" for p in paths
-            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+def test_no_function_over_80_lines():
+    long = {f"{rel}::{name.split('@')[0]}": lines for rel, source in _modules()
+            for name, lines in function_lengths(source).items() if lines > MAX_FUNCTION_LINES}
+    assert set(long) - PENDING["function"] == set(), f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    assert PENDING["function"] <= set(long), f"now short enough, drop from PENDING: {PENDING['function'] - set(long)}"
 
 
-def test_typed_arguments_in_the_asserted_packages():
-    fractions = typed_fraction()
-    for package in ASSERTED_TYPED:
-        typed, total = fractions[package]
-        assert typed / total >= TYPED_BAR, f"{package}: {typed}/{total} = {typed / total:.1%} typed"
+def test_no_file_over_600_lines():
+    long = {rel: len(source.splitlines()) for rel, source in _modules() if len(source.splitlines()) > MAX_FILE_LINES}
+    assert long == {}, f"files over {MAX_FILE_LINES} lines: {long}"
 
 
-def test_trainer_functions_and_files_within_bounds():
-    paths = sorted((PACKAGE / "trainer").glob("*.py"))
-    assert long_functions(paths) == []
-    assert long_files(paths) == []
-
-
-if __name__ == "__main__":
-    for package, (typed, total) in sorted(typed_fraction().items()):
-        print(f"{package:14s} {typed:5d}/{total:<5d} {typed / max(total, 1):6.1%}")
-    paths = sorted(PACKAGE.rglob("*.py"))
-    for line in long_functions(paths) + long_files(paths):
-        print("over the limit:", line, file=sys.stderr)
+def test_arguments_are_typed_in_every_package():
+    counts: dict[str, list[int]] = {}
+    for rel, source in _modules():
+        package = rel.split("/")[0] if "/" in rel else "(top level)"
+        typed, total = typed_arguments(source)
+        counts.setdefault(package, [0, 0])
+        counts[package][0] += typed
+        counts[package][1] += total
+    fraction = {package: typed / total for package, (typed, total) in counts.items() if total}
+    low = {package: round(f, 3) for package, f in fraction.items() if f < MIN_TYPED_FRACTION}
+    assert set(low) - PENDING["typed"] == set(), f"packages under {MIN_TYPED_FRACTION:.0%} typed arguments: {low}"
+    assert PENDING["typed"] <= set(low), f"now typed enough, drop from PENDING: {PENDING['typed'] - set(low)}"

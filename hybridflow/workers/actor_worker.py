@@ -32,8 +32,10 @@ import time
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.controller import Dispatch, Execute, Worker, register
@@ -45,7 +47,7 @@ from hybridflow.models import lora as lora_lib
 from hybridflow.models import lora_sync
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
-from hybridflow.rollout import get_rollout_class, uses_hybrid_engine
+from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engine
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.ppo_actor import PPOActor
@@ -63,7 +65,7 @@ def setup_worker_process() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def make_rollout_config(config) -> SimpleNamespace:
+def make_rollout_config(config: DictConfig) -> SimpleNamespace:
     """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the run config."""
     rollout = config.actor_rollout_ref.rollout
     return SimpleNamespace(
@@ -95,7 +97,7 @@ class ActorRolloutRefWorker(Worker):
         role: one of ``actor_rollout_ref``, ``actor_rollout``, ``ref``.
     """
 
-    def __init__(self, config, role: str = "actor_rollout_ref") -> None:
+    def __init__(self, config: DictConfig, role: str = "actor_rollout_ref") -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown actor role {role!r}; expected one of {ROLES}")
@@ -176,7 +178,7 @@ class ActorRolloutRefWorker(Worker):
                 logger.warning("LoRA: the %s rollout cannot be probed, so its weight sync is not checked (no "
                                "sync/verified)", cfg.rollout.name)
 
-    def _build_hybrid_engine(self, rollout_cfg, eos) -> None:
+    def _build_hybrid_engine(self, rollout_cfg: SimpleNamespace, eos: list[int]) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
         first switch (the generation model holds weights only between a switch and the next training step)."""
         cfg = self.config.actor_rollout_ref
@@ -187,7 +189,8 @@ class ActorRolloutRefWorker(Worker):
         self._register_dispatch_collect_info("rollout", dp_rank=self.engine.gen_dp_rank,
                                              is_collect=self.engine.gen_tp_rank == 0)
 
-    def _build_rollout(self, rollout_cls, path, rollout_module, rollout_cfg, eos, dtype) -> None:
+    def _build_rollout(self, rollout_cls: type[BaseRollout], path: str, rollout_module: Optional[torch.nn.Module],
+                       rollout_cfg: SimpleNamespace, eos: list[int], dtype: torch.dtype) -> None:
         """A backend with its own copy of the weights, refreshed from the gathered actor after each update; its
         tensor-parallel groups (if any) are consecutive ranks."""
         cfg = self.config.actor_rollout_ref

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
@@ -23,7 +24,7 @@ class CriticWorker(Worker):
     (verl's critic offload); on CPU both are no-ops.
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__()
         self.config = config
 

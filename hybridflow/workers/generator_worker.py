@@ -23,6 +23,7 @@ import logging
 import threading
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed, resolve_dtype
@@ -48,7 +49,7 @@ class GeneratorWorker(Worker):
     # config allows (async_training.queue_size <= 32) plus the receive and a validation call
     ray_actor_options = {"max_concurrency": 34}
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__()
         self.config = config
         self.version = 0  # the trainer step whose weights generate (0: the initial checkpoint)

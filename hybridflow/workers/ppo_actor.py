@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, overlong_filter_mask
 from hybridflow.algorithms.sampling import SamplingSpec
@@ -47,7 +48,7 @@ class PPOActor:
     """
 
     def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 config, sampling: SamplingSpec, nonfinite_grad: str = "skip",
+                 config: DictConfig, sampling: SamplingSpec, nonfinite_grad: str = "skip",
                  loss_scale_factor: float | None = None, use_remove_padding: bool = False) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
@@ -164,7 +165,7 @@ class PPOActor:
                                    entropy=need_entropy,
                                    max_token_len=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None)
 
-    def _loss_mask(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _loss_mask(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (B, R) mask of the tokens in the loss and the (B,) bool rows counted as sequences (None: all rows):
         ``response_mask`` and every row, or with ``actor.overlong_filter`` those of the responses that were not
         truncated (DAPO's overlong filtering, :func:`~hybridflow.algorithms.overlong_filter_mask`).

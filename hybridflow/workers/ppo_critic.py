@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.protocol import DataProto
@@ -34,7 +35,7 @@ class PPOCritic:
     """
 
     def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 config, nonfinite_grad: str = "skip", use_remove_padding: bool = False) -> None:
+                 config: DictConfig, nonfinite_grad: str = "skip", use_remove_padding: bool = False) -> None:
         if isinstance(engine, torch.nn.Module):
             engine = FSDP2Engine.from_module(engine, optimizer, kind="value", grad_clip=config.grad_clip,
                                              nonfinite_grad=nonfinite_grad, role="critic",

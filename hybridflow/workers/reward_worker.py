@@ -7,6 +7,7 @@ how outcome rewards enter GAE and the other estimators.
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
@@ -37,7 +38,7 @@ class RuleRewardWorker(Worker):
     ``data_source``) or a user function (:func:`hybridflow.rewards.load_compute_score`), and with the rule cost
     ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: DictConfig) -> None:
         super().__init__()
         self.config = config
 

@@ -16,6 +16,7 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
@@ -52,7 +53,7 @@ class RewardModelWorker(Worker):
         ValueError: unknown ``role``.
     """
 
-    def __init__(self, config, role: str = "reward_model") -> None:
+    def __init__(self, config: DictConfig, role: str = "reward_model") -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown score-model role {role!r}; expected one of {ROLES}")

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import functools
 import time
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from hybridflow.protocol import DataProto
 
 #: prefix of the meta_info keys that carry worker-side seconds, one key per method
 WORKER_TIME_PREFIX = "worker_s/"
 
 
-def report_time(fn):
+def report_time(fn: Callable[..., DataProto]) -> Callable[..., DataProto]:
     """Decorate a worker method returning a DataProto: adds ``meta_info["worker_s/<method>"]`` (seconds)."""
 
     @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> DataProto:
         start = time.perf_counter()
         out = fn(self, *args, **kwargs)
         out.meta_info[WORKER_TIME_PREFIX + fn.__name__] = time.perf_counter() - start
