@@ -4,6 +4,7 @@ derive from it (resource-pool roles, the auto-mapper's emitter)."""
 import pytest
 
 from hybridflow.config import load_config
+from hybridflow.mapping.abilities import ENGINE_ABILITIES
 from hybridflow.mapping.emit import plan_to_config
 from hybridflow.mapping.search import MappingSearch
 from hybridflow.mapping.specs import Workload, get_model, parse_cluster
@@ -91,20 +92,23 @@ def test_reference_logprobs_only_when_a_kl_term_uses_them(overrides, calls):
     assert actor.calls == calls
 
 
+FSDP2 = ENGINE_ABILITIES["fsdp2"]  # the plans emitted must be within the engine's abilities
+
+
 def test_emitted_plan_names_the_driver_and_maps_its_roles():
     cluster = parse_cluster("1x8:A100-80G")
     roles = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
     models = {r: get_model("7B") for r in roles}
     workload = Workload(algorithm="safe-rlhf")
-    plan = MappingSearch(models, workload, cluster).plan([list(roles)], [8])
+    plan = MappingSearch(models, workload, cluster, abilities=FSDP2).plan([list(roles)], [8])
     config, notes = plan_to_config(plan, cluster, workload)
     assert driver_for_plan("safe-rlhf") == "safe_rlhf" and config["algorithm"]["driver"] == "safe_rlhf"
     mapping = config["resource_pool"]["mapping"]
     assert mapping["cost_critic"] == mapping["actor"] and mapping["cost_model"] == mapping["actor"]
     assert not any("not mapped" in n for n in notes)
     remax, _ = plan_to_config(MappingSearch({r: get_model("7B") for r in ("actor", "reference", "reward")},
-                                            Workload(algorithm="remax"), cluster).plan([["actor", "reference", "reward"]],
-                                                                                       [8]),
+                                            Workload(algorithm="remax"), cluster,
+                                            abilities=FSDP2).plan([["actor", "reference", "reward"]], [8]),
                               cluster, Workload(algorithm="remax"))
     assert remax["algorithm"] == {"adv_estimator": "remax", "driver": "remax"}
 
