@@ -98,18 +98,19 @@ FSDP2 = ENGINE_ABILITIES["fsdp2"]  # the plans emitted must be within the engine
 def test_emitted_plan_names_the_driver_and_maps_its_roles():
     cluster = parse_cluster("1x8:A100-80G")
     roles = ("actor", "critic", "reference", "reward", "cost", "cost_critic")
-    models = {r: get_model("7B") for r in roles}
-    workload = Workload(algorithm="safe-rlhf")
+    models = {r: get_model("tiny-arith") for r in roles}  # fits on 8 devices within fsdp2's abilities
+    workload = Workload(algorithm="safe-rlhf", prompt_len=64, response_len=64)
     plan = MappingSearch(models, workload, cluster, abilities=FSDP2).plan([list(roles)], [8])
     config, notes = plan_to_config(plan, cluster, workload)
     assert driver_for_plan("safe-rlhf") == "safe_rlhf" and config["algorithm"]["driver"] == "safe_rlhf"
     mapping = config["resource_pool"]["mapping"]
     assert mapping["cost_critic"] == mapping["actor"] and mapping["cost_model"] == mapping["actor"]
     assert not any("not mapped" in n for n in notes)
-    remax, _ = plan_to_config(MappingSearch({r: get_model("7B") for r in ("actor", "reference", "reward")},
-                                            Workload(algorithm="remax"), cluster,
+    remax_load = Workload(algorithm="remax", prompt_len=64, response_len=64)
+    remax, _ = plan_to_config(MappingSearch({r: get_model("tiny-arith") for r in ("actor", "reference", "reward")},
+                                            remax_load, cluster,
                                             abilities=FSDP2).plan([["actor", "reference", "reward"]], [8]),
-                              cluster, Workload(algorithm="remax"))
+                              cluster, remax_load)
     assert remax["algorithm"] == {"adv_estimator": "remax", "driver": "remax"}
 
 
