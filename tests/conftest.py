@@ -16,7 +16,8 @@ def ray_session():
     under test that calls ``ray.init`` itself finds it running and joins it (``run_ppo`` then leaves it up)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False)
+        # address="local": a cluster of its own, never one another process on this machine started
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
     yield
     if started:
         ray.shutdown()

@@ -33,8 +33,11 @@ PROBE_ENV = "HYBRIDFLOW_AUTO_DTYPE_PROBE"
 
 def time_matmul(dtype: torch.dtype, size: int = 512, repeats: int = 8) -> float:
     """Seconds per ``size`` x ``size`` matmul in ``dtype`` on this process's torch threads (best of ``repeats``,
-    after one warm-up)."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    after one warm-up). Draws its operands from a generator of its own, so the probe leaves torch's global RNG
+    where it was (a value head initialised after it is the same with and without the probe)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(dtype)
+    b = torch.randn(size, size, generator=gen).to(dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):

@@ -31,6 +31,16 @@ def test_probe_decision_from_stubbed_timings(fp32, bf16, expected):
     assert bf16_is_faster(_timer(fp32, bf16)) is expected
 
 
+def test_probe_leaves_the_global_rng_alone():
+    """The probe runs inside an engine's build, after the role's seed and before a fresh value head is
+    initialised: drawing from torch's global RNG there would change the critic's initial weights (and the run)."""
+    torch.manual_seed(123)
+    expected = torch.randn(4)
+    torch.manual_seed(123)
+    precision.time_matmul(torch.float32, size=16, repeats=1)
+    assert torch.equal(torch.randn(4), expected)
+
+
 def test_auto_dtypes_follow_the_probe_and_explicit_dtypes_never_probe(monkeypatch):
     assert training_dtypes("auto", "cpu", probe=lambda: True) == (torch.float32, torch.bfloat16)
     assert training_dtypes("auto", "cpu", probe=lambda: False) == (torch.float32, None)
