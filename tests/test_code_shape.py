@@ -2,8 +2,8 @@
 80 lines (from its ``def`` to its last line, docstring included), no file over 600 lines, and >= 95% of the
 arguments of every package's functions annotated (``self`` / ``cls`` not counted).
 
-``PENDING`` names what other work of this round brings under the rules (the coordinator empties it at merge); an
-entry that already complies fails the test, so the list cannot go stale.
+``PENDING`` names known exceptions still to be brought under the rules (none today); an entry that already complies
+fails the test, so the list cannot go stale.
 """
 
 import ast

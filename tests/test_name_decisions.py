@@ -3,10 +3,8 @@ and the like are replaced by the metadata the entry declares (``needs_values``, 
 ``requires_package``, ``corrects_off_policy``, ...). The test parses every module of the package (ast, so comments,
 docstrings and messages do not count) and fails on a comparison of anything with one of those names.
 
-``PENDING`` lists the call sites in files other helpers rewrite this round (trainer/, workers/); the helper
-functions that replace them exist (:func:`hybridflow.rollout.uses_hybrid_engine`,
-:func:`hybridflow.algorithms.importance_weight_cap`) and the coordinator swaps them at merge, then empties
-``PENDING``. A pending site that disappears fails the test too, so the list cannot go stale.
+``PENDING`` lists known call sites still to be swapped for metadata (none today); a pending site that disappears
+fails the test too, so the list cannot go stale.
 """
 
 import ast
