@@ -151,5 +151,7 @@ def test_lora_vllm_sync_verified_and_equal_to_hf(tmp_path, sync):
     assert torch.equal(res["gen1"]["responses"], hf.batch["responses"])
     mask = res["gen1"]["response_mask"].bool()
     assert (res["gen1"]["rollout_log_probs"] - res["trainer_lp1"])[mask].abs().max() <= 1e-4
-    # a no-op sync is caught at the next generation
-    assert "LoRA weight sync failed" in res.get("noop_error", ""), res.get("noop_error")
+    # a no-op sync is caught at the next generation: by the probe, or (merged: the rollout slept at level 2 and
+    # discarded its weights) already by the wake guard that finds parameters not reloaded
+    error = res.get("noop_error", "")
+    assert "LoRA weight sync failed" in error or "were not reloaded" in error, error
