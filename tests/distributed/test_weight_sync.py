@@ -3,6 +3,7 @@ also in a default group of its own (as in two worker groups); mixed dtypes, a te
 bucket plan itself checked by hand."""
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -49,7 +50,9 @@ def _own_default_group(port):
 def _receiver(rank, host, port, layout, default_port, out):
     _own_default_group(default_port)
     group = WeightTransferGroup(host, port, rank, 3, timeout_s=30)
-    out.put((rank, [(n, t.clone()) for n, t in group.receive(layout, 200)]))
+    buf = io.BytesIO()  # plain bytes: a tensor put on the queue is shared by fd, gone once this process exits
+    torch.save([(n, t.clone()) for n, t in group.receive(layout, 200)], buf)
+    out.put((rank, buf.getvalue()))
 
 
 def test_one_sender_two_receivers_in_separate_processes():
@@ -65,7 +68,7 @@ def test_one_sender_two_receivers_in_separate_processes():
     try:
         sender = WeightTransferGroup("127.0.0.1", store.port, 0, 3, timeout_s=30, store=store)
         sent = sender.send(iter(tensors), layout, 200)
-        got = dict(out.get(timeout=60) for _ in procs)
+        got = {rank: torch.load(io.BytesIO(data)) for rank, data in (out.get(timeout=60) for _ in procs)}
     finally:
         for p in procs:
             p.join(timeout=30)
