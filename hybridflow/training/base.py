@@ -53,7 +53,12 @@ KINDS = ("policy", "value", "score")  # causal LM (logprobs, entropy) | value mo
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How a role's ranks are laid out: ``dp`` data-parallel x ``tp`` tensor-parallel x ``pp`` pipeline stages."""
+    """How a role's ranks are laid out: ``dp`` data-parallel x ``tp`` tensor-parallel x ``pp`` pipeline stages.
+
+    Rank order (every engine uses it, so the resharder and the dispatcher can compute any rank's place): tp
+    fastest, then dp, then pp, i.e. ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank`` (Megatron-core's default
+    ``tp-dp-pp`` order; with ``pp=1`` it is the row-major ``("dp", "tp")`` mesh of the fsdp2 engine).
+    """
 
     dp: int = 1
     tp: int = 1
@@ -62,6 +67,22 @@ class ParallelLayout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(dp_rank, tp_rank, pp_rank)`` of global ``rank`` in this layout.
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, world)``.
+        """
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside the layout's {self.world} ranks ({self})")
+        rest, tp_rank = divmod(rank, self.tp)
+        pp_rank, dp_rank = divmod(rest, self.dp)
+        return dp_rank, tp_rank, pp_rank
+
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int = 0) -> int:
+        """Inverse of :meth:`coords`."""
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
 
 @dataclass(frozen=True)
@@ -110,12 +131,25 @@ class EngineSpec:
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """One parameter as the resharder sees it: its full ``shape``, ``element_size`` in bytes and the dimension
-    the training tensor parallelism splits (``tp_dim``; None: replicated over tp)."""
+    """One parameter as the resharder sees it (Hugging Face name and shape, whatever the engine stores).
+
+    Attributes:
+        shape: the full tensor's shape.
+        element_size: bytes per element.
+        tp_dim: the dimension training tensor parallelism splits into ``layout.tp`` chunks (None: replicated over
+            tp).
+        dp_dim: the dimension data parallelism splits into ``layout.dp`` ``torch.chunk`` pieces of the tp-local
+            tensor (FSDP2: 0); None: every dp rank holds the whole tp-local tensor (Megatron-core's DDP and
+            distributed optimizer keep parameters replicated over dp).
+        pp_stage: the pipeline stage whose ranks hold the parameter (its layers); None: every stage holds it
+            (``pp=1``).
+    """
 
     shape: tuple[int, ...]
     element_size: int
     tp_dim: Optional[int]
+    dp_dim: Optional[int] = 0
+    pp_stage: Optional[int] = None
 
 
 class TrainEngine(abc.ABC):
@@ -188,9 +222,12 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, this rank's local shard)`` of every parameter, without copies (views of the training
-        storage), in :meth:`weight_specs` order. Shard boxes: dp splits dim 0 into ``layout.dp`` even chunks
-        (FSDP2's rule), tp splits ``tp_dim`` into ``layout.tp`` (on the tp-local tensor)."""
+        """``(name, this rank's local shard)`` of every parameter this rank holds (all of them unless the
+        parameter's ``pp_stage`` is another stage), without copies where the engine stores the Hugging Face
+        layout (views of the training storage), in :meth:`weight_specs` order. Shard boxes (rank coordinates from
+        :meth:`ParallelLayout.coords`): tp splits ``tp_dim`` into ``layout.tp`` chunks, then dp splits ``dp_dim``
+        of the tp-local tensor into ``layout.dp`` ``torch.chunk`` pieces (FSDP2's rule; ``dp_dim=None``: no dp
+        split)."""
 
     @abc.abstractmethod
     def weight_specs(self) -> dict[str, WeightSpec]:
