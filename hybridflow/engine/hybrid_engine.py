@@ -4,9 +4,12 @@ another, on the same ranks, resharding its weights in between without redundant 
 Lifecycle (every rank of the actor group calls these together, in the same order):
 
 1. ``HybridEngine(train_engine, gen_tp)`` with the actor's training engine (:class:`hybridflow.training.TrainEngine`;
-   the layout, shard boxes and shards come from its :meth:`weight_specs` / :meth:`iter_shards`, its offload from
-   :meth:`offload` / :meth:`onload`), or ``HybridEngine(module, mesh, gen_tp)`` for a module already sharded on
-   ``mesh`` (wrapped in an ``fsdp2`` engine). It computes the
+   the layout (its ``ParallelLayout``: dp x tp x pp), shard boxes and shards come from its :meth:`weight_specs`
+   (``tp_dim``, ``dp_dim``, ``pp_stage``) / :meth:`iter_shards`, its offload from :meth:`offload` /
+   :meth:`onload`), or ``HybridEngine(module, mesh, gen_tp)`` for a module already sharded on ``mesh`` (wrapped
+   in an ``fsdp2`` engine). With pp > 1 a rank holds only its stage's weights (absent from ``iter_shards``);
+   its generation shard still covers every layer, the other stages' parts received from their holders. It
+   computes the
    :class:`~hybridflow.engine.plan.ReshardPlan`, creates the generation tp process groups and the generation
    model's skeleton (meta device: no memory).
 2. :meth:`switch_to_generation` before generating: each rank assembles exactly its generation shard from its
@@ -33,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridflow.distributed.tp import tp_dims  # the generation layout of the architecture
-from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, build_reshard_plan, is_contiguous_region,
-                                    local_slices)
+from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, is_contiguous_region, local_slices,
+                                    plan_from_weight_specs)
 from hybridflow.engine.tp_model import TPGroup, build_tp_generation_model
 from hybridflow.training import FSDP2Engine, TrainEngine
 
@@ -46,11 +49,14 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 class HybridEngine:
-    """Switches an FSDP2(/TP)-sharded actor between its training layout and a tensor-parallel generation model.
+    """Switches an actor between its training layout (fsdp2: dp x tp; megatron: dp x tp x pp) and a
+    tensor-parallel generation model (HybridFlow, Sheng et al. 2024, Sec. 5).
 
     Args:
-        train: the actor's training engine over all ranks of the default group; or the sharded causal LM (its
-            parameters DTensors on ``mesh``, or plain tensors on a single rank), then with ``mesh``.
+        train: the actor's training engine over all ranks of the default group (``layout`` covering them, dp x
+            tp x pp; ``module`` a Hugging Face model of the same config with real buffers (rotary tables); its
+            parameters may be a ``meta`` skeleton when the engine stores the weights elsewhere); or the sharded
+            causal LM (its parameters DTensors on ``mesh``, or plain tensors on a single rank), then with ``mesh``.
         mesh: with a module, the training DeviceMesh, ``("dp",)`` or ``("dp", "tp")``; None with an engine.
         gen_tp: tp_g, the generation tensor-parallel size (dp_g = world / tp_g).
         bucket_bytes: bound on the bytes one rank sends plus receives per bucket (larger transfers are cut
@@ -60,8 +66,9 @@ class HybridEngine:
             host memory while generating; with an engine these are its own (``spec.param_offload`` ...).
 
     Raises:
-        ValueError: layouts that do not fit (tp_g must divide or be a multiple of tp, and divide the world),
-            or tp_g not dividing the heads, kv heads, MLP width or vocabulary.
+        ValueError: layouts that do not fit (the engine's layout must cover the world; tp_g must divide or be a
+            multiple of tp, and divide the world), or tp_g not dividing the heads, kv heads, MLP width or
+            vocabulary.
         KeyError: ``gen_tp > 1`` for an architecture without a tensor-parallel plan.
     """
 
@@ -79,16 +86,16 @@ class HybridEngine:
         self.train_module = train.module  # its HF config and buffers; the weights come through the engine
         self.param_offload = train.spec.param_offload
         self.offloads = train.spec.param_offload or train.spec.optimizer_offload
-        tp = train.layout.tp
+        layout = train.layout
+        if layout.dp * layout.tp * layout.pp != world:
+            raise ValueError(f"the {train.spec.role}'s training layout dp={layout.dp} x tp={layout.tp} x "
+                             f"pp={layout.pp} does not cover the {world} ranks of the default group")
         specs = train.weight_specs()
-        first = next(train.module.parameters())
-        self.device, dtype = first.device, first.dtype
-        self.plan: ReshardPlan = build_reshard_plan(
-            {name: w.shape for name, w in specs.items()}, {name: w.tp_dim for name, w in specs.items()},
-            {name: None for name in specs} if gen_tp == 1 else tp_dims(train.module, "generate"),
-            Layout(world // tp, tp), Layout(world // gen_tp, gen_tp),
-            {name: w.element_size for name, w in specs.items()},
-        )
+        self.device, dtype = _device_and_dtype(train)
+        self.dtype = dtype
+        self.plan: ReshardPlan = plan_from_weight_specs(
+            specs, {name: None for name in specs} if gen_tp == 1 else tp_dims(train.module, "generate"),
+            Layout(layout.dp, layout.tp, layout.pp), Layout(world // gen_tp, gen_tp))
         self.bucket_bytes = bucket_bytes
         self.buckets = self.plan.buckets(bucket_bytes)
         self.tp = self._make_tp_group()
@@ -201,14 +208,25 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ transfer
     def _local_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's training shards from the engine's shard iterator, checked against the plan's boxes."""
+        """This rank's training shards from the engine's shard iterator, checked against the plan's boxes: every
+        weight the plan says this rank holds, with its box's shape, and none other (a weight of another
+        pipeline stage must be absent).
+
+        Raises:
+            RuntimeError: a missing, unexpected or misshapen shard.
+        """
         local = dict(self.train_engine.iter_shards())
         for p in self.plan.params:
-            tensor = local[p.name]
-            expected = tuple(e - s for s, e in p.train_boxes[self.rank])
-            if tuple(tensor.shape) != expected:
-                raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r} has shape {tuple(tensor.shape)}, "
-                                   f"the reshard plan expects {expected} (layout {self.plan.train})")
+            expected = p.train_shape(self.rank)
+            tensor = local.get(p.name)
+            got = None if tensor is None else tuple(tensor.shape)
+            if got != expected:
+                raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r}: the engine yields {_say(got)}, "
+                                   f"the reshard plan expects {_say(expected)} (layout {self.plan.train}, "
+                                   f"tp_dim={p.train_dim}, dp_dim={p.dp_dim}, pp_stage={p.pp_stage})")
+        unknown = sorted(set(local) - {p.name for p in self.plan.params})
+        if unknown:
+            raise RuntimeError(f"rank {self.rank}: iter_shards yields weights weight_specs does not list: {unknown[:3]}")
         return local
 
     def _transfer(self, bucket: Bucket, local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:
@@ -223,12 +241,14 @@ class HybridEngine:
         local_copies = []
         for index, transfers in bucket:
             p = self.plan.params[index]
-            source = local[p.name]
+            source = local.get(p.name)  # None: another pipeline stage holds this weight
             if p.name not in gen:
                 if p.aliased(me) and not self.param_offload:  # a view of the training shard: nothing to copy
                     gen[p.name] = source[local_slices(p.gen_boxes[me], p.train_boxes[me])]
-                else:
+                elif source is not None:
                     gen[p.name] = torch.empty(p.gen_shape(me), dtype=source.dtype, device=source.device)
+                else:
+                    gen[p.name] = torch.empty(p.gen_shape(me), dtype=self.dtype, device=self.device)
             in_place = p.aliased(me) and not self.param_offload
             for tr in transfers:  # bucket order, then plan order: the same on sender and receiver
                 direct = is_contiguous_region(tr.region, p.gen_boxes[tr.dst])
@@ -259,6 +279,23 @@ class HybridEngine:
             request.wait()
         for peer, targets in packed_recvs.items():
             _unpack(recv_buffers.pop(peer), targets)
+
+
+def _say(shape: Optional[tuple[int, ...]]) -> str:
+    return "no shard" if shape is None else f"shape {shape}"
+
+
+def _device_and_dtype(train: TrainEngine) -> tuple[torch.device, torch.dtype]:
+    """Where and in which dtype generation shards of weights this rank does not hold are allocated: those of the
+    engine module's first parameter, or, when the module is a skeleton on ``meta`` (an engine storing its
+    weights elsewhere), the engine's device (the current CUDA device for ``cuda``) in that parameter's dtype."""
+    first = next(train.module.parameters())
+    if first.device.type != "meta":
+        return first.device, first.dtype
+    device = torch.device(train.spec.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, first.dtype
 
 
 def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
