@@ -166,3 +166,231 @@ def test_bad_weight_specs(kwargs, message):
 def test_generation_layout_has_no_stages():
     with pytest.raises(ValueError, match="no pipeline stages"):
         generation_coords(Layout(1, 2, 2), Layout(1, 2, 2))
+
+
+# -------------------------------------------------------------------------------- part 2: 4 gloo ranks
+V, B, P, R, LAYERS = 64, 8, 6, 5, 4  # vocab, prompts, prompt tokens, response tokens, decoder layers
+BUCKET = 4096  # bytes: many buckets even for this tiny model
+ENGINE = "test_megatron_layout"
+COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROWWISE = ("o_proj", "down_proj")
+# (dp, tp, pp, tp_g, tied embeddings)
+CASES = [(1, 2, 2, 2, False), (1, 2, 2, 1, False), (1, 2, 2, 4, True), (2, 1, 2, 2, True), (1, 1, 4, 4, False),
+         (2, 2, 1, 1, True)]
+
+
+def _model(tied: bool) -> torch.nn.Module:
+    return tiny_model(LlamaForCausalLM, seed=0, vocab_size=V, num_hidden_layers=LAYERS, num_attention_heads=8,
+                      num_key_value_heads=4, tie_word_embeddings=tied, max_position_embeddings=64)
+
+
+def _megatron_tp_dim(name: str) -> Optional[int]:
+    """Megatron-core's tensor-parallel split in HF names: column-parallel q/k/v (per kv group) and gate/up, row-
+    parallel o/down, vocab-parallel embedding and output layer, replicated norms."""
+    if "norm" in name:
+        return None
+    if any(f".{k}." in name for k in ROWWISE):
+        return 1
+    return 0
+
+
+def _stage(name: str, pp: int) -> Optional[int]:
+    """Layers cut into pp equal runs; embedding on the first stage (a tied one too: the HF model has one
+    parameter), final norm and untied head on the last; None without pipeline parallelism."""
+    if pp == 1:
+        return None
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) // (LAYERS // pp)
+    return 0 if name.startswith("model.embed_tokens") else pp - 1
+
+
+class SyntheticMegatronEngine(TrainEngine):
+    """A full tiny Llama, exposed through the engine contract in Megatron-core's layout (nothing else of the
+    contract is implemented: the resharder needs only the layout, ``module``, the specs and the shards)."""
+
+    def __init__(self, spec: EngineSpec, module: torch.nn.Module, shards: dict, specs: dict) -> None:
+        self.spec, self.layout, self.module = spec, spec.layout, module
+        self.optimizer = self.lr_scheduler = None
+        self.skipped_steps = 0
+        self._shards, self._specs = shards, specs
+
+    @classmethod
+    def build(cls, spec: EngineSpec) -> "SyntheticMegatronEngine":
+        module = _model(spec.model.tied)
+        d, t, s = spec.layout.coords(dist.get_rank())
+        specs, shards = {}, {}
+        for name, param in module.named_parameters():
+            tp_dim, stage = _megatron_tp_dim(name), _stage(name, spec.layout.pp)
+            specs[name] = WeightSpec(tuple(param.shape), param.element_size(), tp_dim, dp_dim=None, pp_stage=stage)
+            if stage in (None, s):
+                local = param.detach() if tp_dim is None else param.detach().chunk(spec.layout.tp, dim=tp_dim)[t]
+                shards[name] = local.clone()
+        with torch.no_grad():  # the resharder must read the shards, never the module's weights
+            for param in module.parameters():
+                param.fill_(float("nan"))
+        return cls(spec, module, shards, specs)
+
+    def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._shards.items())
+
+    def weight_specs(self) -> dict:
+        return dict(self._specs)
+
+    def offload(self) -> None:
+        pass
+
+    def onload(self, optimizer: bool = True) -> None:
+        pass
+
+    def _unused(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("not part of the resharding contract this engine exists to test")
+
+    set_train = forward = zero_grad = optimizer_step = lr_scheduler_step = iter_weights = _unused
+    save_checkpoint = load_checkpoint = _unused
+
+
+def _prompts() -> DataProto:
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([6, 3, 5, 2, 4, 6, 1, 5])
+    mask = (torch.arange(P)[None, :] >= (P - lengths)[:, None]).long()  # left padding
+    ids = torch.randint(1, V, (B, P), generator=g) * mask
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+
+
+def _rollout(module: torch.nn.Module) -> HFRollout:
+    cfg = SimpleNamespace(response_length=R, n=1, do_sample=False, temperature=1.0, top_p=1.0, top_k=-1,
+                          micro_batch_size=3)
+    return HFRollout(module, cfg, eos_token_id=[V - 1], pad_token_id=0)
+
+
+def _case(dp: int, tp: int, pp: int, tp_g: int, tied: bool, rank: int) -> dict:
+    from hybridflow.training import get_engine_class
+
+    spec = EngineSpec(kind="policy", model=SimpleNamespace(tied=tied), layout=ParallelLayout(dp=dp, tp=tp, pp=pp),
+                      device="cpu")
+    train = get_engine_class(ENGINE).build(spec)
+    engine = HybridEngine(train, gen_tp=tp_g, bucket_bytes=BUCKET)
+    plan = engine.plan
+    result = {"model_bytes": plan.model_bytes(), "gen_dp": engine.gen_dp_rank, "gen_tp": engine.gen_tp_rank,
+              "micro_dp_group": plan.micro_dp_group(rank), "gen_bytes": plan.gen_bytes(rank),
+              "plan_peak": plan.peak_extra_bytes(rank, BUCKET), "held": sorted(dict(train.iter_shards()))}
+    with TensorMemoryTracker() as mem:
+        gen_model = engine.switch_to_generation()
+    result["peak_extra_bytes"] = mem.peak_bytes
+    result["shards"] = {name: p.detach().clone() for name, p in gen_model.named_parameters()}
+    chunk = _prompts().chunk(plan.gen.dp)[engine.gen_dp_rank]
+    out = _rollout(gen_model).generate_sequences(chunk)
+    result["responses"], result["log_probs"] = out.batch["responses"], out.batch["rollout_log_probs"]
+    engine.check_lockstep(out.batch["responses"])
+    engine.switch_to_training()
+    result["freed"] = all(p.device.type == "meta" for p in gen_model.parameters())
+    return result
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    from hybridflow.training import register_engine, registered_engines
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    if ENGINE not in registered_engines():  # registered in the worker processes only
+        register_engine(ENGINE, pipeline_parallel=True)(SyntheticMegatronEngine)
+    dist.init_process_group("gloo")
+    results = {case: _case(*case, rank) for case in CASES}
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("reshard3d") / "result")
+    mp.spawn(_worker, args=(4, _free_port(), out), nprocs=4, join=True)
+    per_rank = [torch.load(f"{out}.{r}") for r in range(4)]
+    return {case: [per_rank[r][case] for r in range(4)] for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict:
+    """Single process HF model: full weights and greedy generation, per tying."""
+    out = {}
+    for tied in (False, True):
+        model = _model(tied).eval()
+        gen = _rollout(model).generate_sequences(_prompts())
+        out[tied] = {"full": {k: v.clone() for k, v in model.state_dict().items()},
+                     "responses": gen.batch["responses"], "log_probs": gen.batch["rollout_log_probs"]}
+    return out
+
+
+def _expected_shard(name: str, full: torch.Tensor, tp_g: int, tp_rank: int) -> torch.Tensor:
+    """The generation slice by the architecture's rules (vocabulary rows for embedding and head)."""
+    if tp_g == 1 or "norm" in name:
+        return full
+    return full.chunk(tp_g, dim=1 if any(f".{k}." in name for k in ROWWISE) else 0)[tp_rank]
+
+
+def _expected_group(case: tuple, rank: int) -> list[int]:
+    """Who each rank gathers from, derived by hand from the layouts (module doc of the plan)."""
+    dp, tp, pp, tp_g, _ = case
+    layout = ParallelLayout(dp=dp, tp=tp, pp=pp)
+    d, t, s = layout.coords(rank)
+    if tp_g >= tp and pp == 2:  # its tp chunk (or a part of it) of the other stage, from its own dp index
+        return sorted({rank, layout.rank_of(d, t, 1 - s)})
+    if pp == 4 or (tp_g == 1 and dp == 1):  # every other stage / every other chunk: everyone
+        return [0, 1, 2, 3]
+    return sorted(layout.rank_of(d, t2, s) for t2 in range(tp))  # tp_g = 1 over dp replicas: its own replica
+
+
+def _case_id(case: tuple) -> str:
+    dp, tp, pp, tp_g, tied = case
+    return f"dp{dp}-tp{tp}-pp{pp}-tpg{tp_g}" + ("-tied" if tied else "")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_megatron_layout_shards_are_exact_slices(case, runs, refs):
+    dp, tp, pp, tp_g, tied = case
+    full = refs[tied]["full"]
+    for rank, res in enumerate(runs[case]):
+        stage = ParallelLayout(dp=dp, tp=tp, pp=pp).coords(rank)[2]
+        assert res["held"] == sorted(n for n in full if n in res["shards"] and _stage(n, pp) in (None, stage))
+        assert sorted(res["shards"]) == sorted(n for n in full if not (tied and n == "lm_head.weight"))
+        for name, shard in res["shards"].items():
+            expected = _expected_shard(name, full[name], tp_g, res["gen_tp"])
+            assert torch.equal(shard, expected), f"rank {rank} {name}: {tuple(shard.shape)} vs {tuple(expected.shape)}"
+        assert res["freed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_megatron_layout_groups_and_greedy_tokens(case, runs, refs):
+    dp, tp, pp, tp_g, tied = case
+    ranks = runs[case]
+    groups: dict = {}
+    for res in ranks:
+        groups.setdefault(res["gen_dp"], []).append(res["gen_tp"])
+    assert sorted(groups) == list(range(4 // tp_g)) and all(sorted(g) == list(range(tp_g)) for g in groups.values())
+    want_tokens = refs[tied]["responses"].chunk(4 // tp_g)
+    want_logp = refs[tied]["log_probs"].chunk(4 // tp_g)
+    assert refs[tied]["responses"].ne(0).sum() > B  # real tokens were generated
+    for rank, res in enumerate(ranks):
+        assert res["micro_dp_group"] == _expected_group(case, rank), f"rank {rank}"
+        assert torch.equal(res["responses"], want_tokens[res["gen_dp"]]), f"rank {rank}"
+        torch.testing.assert_close(res["log_probs"], want_logp[res["gen_dp"]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_megatron_layout_switch_memory(case, runs):
+    tp_g = case[3]
+    for rank, res in enumerate(runs[case]):
+        bound = res["model_bytes"] / tp_g + BUCKET
+        assert res["peak_extra_bytes"] <= res["plan_peak"] <= bound, (rank, res["peak_extra_bytes"], res["plan_peak"])
+        held = sum(math.prod(t.shape) * 4 for t in res["shards"].values())
+        assert held == res["gen_bytes"]  # the plan's count of the generation shard is what the model holds
+        assert (held < res["model_bytes"]) == (tp_g > 1)  # no full copy unless tp_g = 1
