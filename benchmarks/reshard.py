@@ -228,7 +228,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
     if rank == 0:
         _write_result(out_path, args, engine, {
             "engine_s": round(engine_s, 4), "collective_s": round(collective_s, 4),
-            "collective_recv_matched_s": round(matched_s, 4), "engine_over_collective": round(engine_s / collective_s, 3),
+            "collective_recv_matched_s": round(matched_s, 4),
+            "engine_over_collective": round(engine_s / collective_s, 3),
             "peak_extra_bytes": int(stats[0]), "shards_match": bool(stats[2]),
             "collective_bytes_per_rank": collective_bytes, "gen_shard_bytes_max": gen_bytes,
             "engine_recv_bytes_max": recv_bytes,

@@ -1,4 +1,4 @@
-"""The 3D-HybridEngine: the actor trains in its (dp x tp) layout and generates in a (dp_g x tp_g) layout on the
+"""The 3D-HybridEngine: the actor trains in its (dp x tp x pp) layout and generates in a (dp_g x tp_g) layout on the
 same ranks, resharding its weights between the two phases without redundant copies (HybridFlow, Sec. 5).
 
 * :mod:`hybridflow.engine.plan`: which rank sends which slice to whom (pure Python, inspectable);

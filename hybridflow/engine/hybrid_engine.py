@@ -226,7 +226,8 @@ class HybridEngine:
                                    f"tp_dim={p.train_dim}, dp_dim={p.dp_dim}, pp_stage={p.pp_stage})")
         unknown = sorted(set(local) - {p.name for p in self.plan.params})
         if unknown:
-            raise RuntimeError(f"rank {self.rank}: iter_shards yields weights weight_specs does not list: {unknown[:3]}")
+            raise RuntimeError(f"rank {self.rank}: iter_shards yields weights weight_specs does not list: "
+                               f"{unknown[:3]}")
         return local
 
     def _transfer(self, bucket: Bucket, local: dict[str, torch.Tensor], gen: dict[str, torch.Tensor]) -> None:

@@ -219,10 +219,14 @@ class SyntheticMegatronEngine(TrainEngine):
         module = _model(spec.model.tied)
         d, t, s = spec.layout.coords(dist.get_rank())
         specs, shards = {}, {}
+        mistake = getattr(spec.model, "mistake", None)  # a broken engine: "all_stages" or "omit_one"
+        skip = mistake == "omit_one"  # leave out this rank's first parameter
         for name, param in module.named_parameters():
             tp_dim, stage = _megatron_tp_dim(name), _stage(name, spec.layout.pp)
             specs[name] = WeightSpec(tuple(param.shape), param.element_size(), tp_dim, dp_dim=None, pp_stage=stage)
-            if stage in (None, s):
+            if skip and stage in (None, s):
+                skip = False
+            elif stage in (None, s) or mistake == "all_stages":
                 local = param.detach() if tp_dim is None else param.detach().chunk(spec.layout.tp, dim=tp_dim)[t]
                 shards[name] = local.clone()
         with torch.no_grad():  # the resharder must read the shards, never the module's weights
@@ -297,6 +301,15 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         register_engine(ENGINE, pipeline_parallel=True)(SyntheticMegatronEngine)
     dist.init_process_group("gloo")
     results = {case: _case(*case, rank) for case in CASES}
+    for mistake in ("all_stages", "omit_one"):  # engines breaking the contract: caught before any transfer
+        spec = EngineSpec(kind="policy", model=SimpleNamespace(tied=False, mistake=mistake),
+                          layout=ParallelLayout(dp=1, tp=2, pp=2), device="cpu")
+        engine = HybridEngine(SyntheticMegatronEngine.build(spec), gen_tp=2, bucket_bytes=BUCKET)
+        try:
+            engine.switch_to_generation()
+            results[mistake] = None
+        except RuntimeError as error:
+            results[mistake] = str(error)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -308,11 +321,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs_raw(tmp_path_factory) -> list:
+    """Per rank: case -> its results (one spawn of 4 ranks for all cases)."""
     out = str(tmp_path_factory.mktemp("reshard3d") / "result")
     mp.spawn(_worker, args=(4, _free_port(), out), nprocs=4, join=True)
-    per_rank = [torch.load(f"{out}.{r}") for r in range(4)]
-    return {case: [per_rank[r][case] for r in range(4)] for case in CASES}
+    return [torch.load(f"{out}.{r}") for r in range(4)]
+
+
+@pytest.fixture(scope="module")
+def runs(runs_raw) -> dict:
+    return {case: [runs_raw[r][case] for r in range(4)] for case in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -394,3 +412,12 @@ def test_megatron_layout_switch_memory(case, runs):
         held = sum(math.prod(t.shape) * 4 for t in res["shards"].values())
         assert held == res["gen_bytes"]  # the plan's count of the generation shard is what the model holds
         assert (held < res["model_bytes"]) == (tp_g > 1)  # no full copy unless tp_g = 1
+
+
+@pytest.mark.slow
+def test_shards_breaking_the_stage_contract_are_refused(runs_raw):
+    """A rank yielding another stage's weights, or missing one of its own, is told which, before any transfer."""
+    for rank, res in enumerate(runs_raw):
+        assert res["all_stages"] is not None and "the reshard plan expects no shard" in res["all_stages"], rank
+        assert res["omit_one"] is not None and "the engine yields no shard" in res["omit_one"], rank
+        assert "pp_stage=" in res["omit_one"]
