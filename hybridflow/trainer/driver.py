@@ -61,8 +61,10 @@ class Role:
         inputs: the function giving the worker's constructor arguments,
             ``inputs(config, total_steps, *args) -> tuple`` (the built-in workers': :mod:`hybridflow.trainer.
             worker_inputs`, each worker's own config section(s) and derived values); None: the worker is built as
-            ``worker(config, *args)`` with the whole run config (a user's worker that declares no inputs).
-        args: the role's extra arguments, after ``(config, total_steps)`` (e.g. which roles an actor worker holds).
+            ``worker(config, *args)`` with the whole run config (a user's worker that declares no inputs). Either
+            way the group's ``init_model()`` is then called with no arguments.
+        args: the role's extra arguments (e.g. which roles an actor worker holds), passed on after ``(config,
+            total_steps)`` to ``inputs`` (without ``inputs``: after ``config`` to the worker).
         checkpointed: the group's shards are part of a checkpoint (saved under ``<ckpt>/<role>``).
     """
 
