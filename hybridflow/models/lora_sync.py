@@ -41,28 +41,27 @@ def rollout_takes_adapters(config: Any) -> bool:
     return not quantized
 
 
-def rollout_lora_options(config: Any) -> dict[str, Any]:
-    """The rollout config entries of the adapter payload: ``lora_rank`` (0: the rollout gets merged or full
-    weights) and ``lora_alpha``, read by backends with their own engine (vllm)."""
-    model = config.actor_rollout_ref.model
-    return {"lora_rank": int(model.lora_rank) if rollout_takes_adapters(config) else 0,
-            "lora_alpha": float(model.lora_alpha)}
+def rollout_lora_options(model: Any, adapters: bool) -> dict[str, Any]:
+    """The rollout config entries of the adapter payload, from the actor's ``model`` section and whether the rollout
+    takes adapters (:func:`rollout_takes_adapters`): ``lora_rank`` (0: the rollout gets merged or full weights) and
+    ``lora_alpha``, read by backends with their own engine (vllm)."""
+    return {"lora_rank": int(model.lora_rank) if adapters else 0, "lora_alpha": float(model.lora_alpha)}
 
 
-def rollout_stream(config: Any, module: torch.nn.Module,
+def rollout_stream(adapters: bool, module: torch.nn.Module,
                    state: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
     """The sync payload of a peft-wrapped actor ``module`` from its full ``state`` (``iter_full_state``): the
-    adapters (peft names) when :func:`rollout_takes_adapters`, else the merged base-named weights. Consumes
-    ``state`` fully (every rank in lockstep)."""
-    if rollout_takes_adapters(config):
+    adapters (peft names) when ``adapters`` (:func:`rollout_takes_adapters` of the run config), else the merged
+    base-named weights. Consumes ``state`` fully (every rank in lockstep)."""
+    if adapters:
         return lora_lib.adapter_items(state)
     return lora_lib.merge_lora_stream(state, lora_lib.lora_scaling(module.peft_config["default"]))
 
 
-def rollout_layout_items(config: Any, items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` in the order and with the shapes :func:`rollout_stream` yields, from a peft model's
-    ``state_dict().items()`` (no data read: for the transfer layout)."""
-    if rollout_takes_adapters(config):
+def rollout_layout_items(adapters: bool, items: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` in the order and with the shapes :func:`rollout_stream` yields for ``adapters``, from a
+    peft model's ``state_dict().items()`` (no data read: for the transfer layout)."""
+    if adapters:
         return lora_lib.adapter_items(items)
     return lora_lib.merged_names(items)
 

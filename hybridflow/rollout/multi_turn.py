@@ -121,7 +121,11 @@ class MultiTurnLoop:
     @classmethod
     def from_config(cls, config: Any, tokenizer: Any) -> Optional["MultiTurnLoop"]:
         """The loop of the run config's ``actor_rollout_ref.rollout.multi_turn`` section; None when disabled."""
-        cfg = config.actor_rollout_ref.rollout.multi_turn
+        return cls.from_section(config.actor_rollout_ref.rollout.multi_turn, tokenizer)
+
+    @classmethod
+    def from_section(cls, cfg: Any, tokenizer: Any) -> Optional["MultiTurnLoop"]:
+        """The loop of a ``rollout.multi_turn`` section (what a worker holds); None when disabled."""
         if not cfg.enable:
             return None
         return cls(tokenizer, load_tools(cfg.tool_config_path), MultiTurnSettings.from_config(cfg))

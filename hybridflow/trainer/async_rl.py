@@ -42,6 +42,7 @@ from hybridflow.algorithms import importance_weight_cap
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
+from hybridflow.trainer.worker_inputs import generator_args
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ class AsyncTrainer(Driver):
         """The PPO roles with the actor as trainer only (``actor_ref``: the generators sample) and the
         ``generator`` group."""
         roles = common_roles(config, actor_role="actor_ref")
-        roles["generator"] = Role(GENERATOR)
+        roles["generator"] = Role(GENERATOR, generator_args)
         return roles
 
     @classmethod

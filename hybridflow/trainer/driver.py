@@ -7,7 +7,8 @@ A driver's lifecycle (who calls what, and when):
    problems of a config that names this driver (one line each, led by the dotted key); ``roles(config)`` says which
    worker groups the run needs. Both are classmethods and must not import Ray or start anything.
 2. **Worker groups up** (:func:`hybridflow.trainer.setup.worker_groups`): one group per role of ``roles(config)``,
-   on the role's resource pool; then ``build(config, groups)`` makes the driver.
+   on the role's resource pool, each worker built from its :attr:`Role.inputs` (its own config section and derived
+   values, never the whole config); then ``build(config, groups)`` makes the driver.
 3. **Resume** (the loop): the loop loads ``checkpointed_groups()`` (each from ``<ckpt>/<name>``) and
    ``checkpointed_state()`` (objects with ``state_dict``/``load_state_dict``, from ``trainer_state.pt``), then calls
    ``start(data, step)`` once with the data cursor (a :class:`~hybridflow.trainer.loop.DataCursor` at the resumed
@@ -57,14 +58,19 @@ class Role:
     Args:
         worker: the :class:`~hybridflow.controller.Worker` subclass, or its ``"module:Class"`` path (imported only
             when the groups are built, so declaring roles imports no worker code).
-        args: constructor arguments after the config (each worker is built as ``worker(config, *args)``).
-        sizes_schedule: the group's ``init_model`` takes the run's total steps (it sizes an lr schedule).
+        inputs: the function giving the worker's constructor arguments,
+            ``inputs(config, total_steps, *args) -> tuple`` (the built-in workers': :mod:`hybridflow.trainer.
+            worker_inputs`, each worker's own config section(s) and derived values); None: the worker is built as
+            ``worker(config, *args)`` with the whole run config (a user's worker that declares no inputs). Either
+            way the group's ``init_model()`` is then called with no arguments.
+        args: the role's extra arguments (e.g. which roles an actor worker holds), passed on after ``(config,
+            total_steps)`` to ``inputs`` (without ``inputs``: after ``config`` to the worker).
         checkpointed: the group's shards are part of a checkpoint (saved under ``<ckpt>/<role>``).
     """
 
     worker: Union[str, type]
+    inputs: Optional[Callable[..., tuple]] = None
     args: tuple = ()
-    sizes_schedule: bool = False
     checkpointed: bool = False
 
     def worker_class(self) -> type:
@@ -73,6 +79,12 @@ class Role:
             return self.worker
         module, _, name = self.worker.partition(":")
         return getattr(importlib.import_module(module), name)
+
+    def constructor_args(self, config: Any, total_steps: int) -> tuple:
+        """The worker's constructor arguments for a run of ``total_steps`` training steps (see ``inputs``)."""
+        if self.inputs is None:
+            return (config, *self.args)
+        return tuple(self.inputs(config, total_steps, *self.args))
 
 
 class Driver:

@@ -28,6 +28,7 @@ from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                      compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.validate import validate
+from hybridflow.trainer.worker_inputs import actor_args, critic_args, rule_reward_args, score_model_args
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,12 @@ def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str
     :func:`~hybridflow.config.need_critic`, ``reward_model`` with ``reward_model.enable``."""
     from hybridflow.config import need_critic
 
-    roles = {"actor": Role(ACTOR, (actor_role,), sizes_schedule=True, checkpointed=True),
-             "reward": Role(RULE_REWARD)}
+    roles = {"actor": Role(ACTOR, actor_args, (actor_role,), checkpointed=True),
+             "reward": Role(RULE_REWARD, rule_reward_args)}
     if need_critic(config):
-        roles["critic"] = Role(CRITIC, sizes_schedule=True, checkpointed=True)
+        roles["critic"] = Role(CRITIC, critic_args, checkpointed=True)
     if config.reward_model.enable:
-        roles["reward_model"] = Role(SCORE_MODEL, ("reward_model",))
+        roles["reward_model"] = Role(SCORE_MODEL, score_model_args, ("reward_model",))
     return roles
 
 

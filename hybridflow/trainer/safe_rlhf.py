@@ -22,6 +22,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.ppo import CRITIC, SCORE_MODEL, PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
 from hybridflow.trainer.validate import validate
+from hybridflow.trainer.worker_inputs import critic_args, score_model_args
 from hybridflow.utils.timer import timer
 
 _CRITIC_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
@@ -56,9 +57,9 @@ class SafeRLHFTrainer(Driver):
         """The PPO roles (the config check makes sure the reward critic is among them), a ``cost_critic`` with the
         critic's settings and, with ``cost_model.enable``, a ``cost_model``."""
         roles = common_roles(config)
-        roles["cost_critic"] = Role(CRITIC, sizes_schedule=True, checkpointed=True)
+        roles["cost_critic"] = Role(CRITIC, critic_args, checkpointed=True)
         if config.cost_model.enable:
-            roles["cost_model"] = Role(SCORE_MODEL, ("cost_model",))
+            roles["cost_model"] = Role(SCORE_MODEL, score_model_args, ("cost_model",))
         return roles
 
     @classmethod

@@ -240,8 +240,10 @@ def _use_gpu(device: str) -> bool | None:
 def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
     """Spawn the groups of :func:`worker_roles` on their resource pools (a
     :class:`~hybridflow.controller.ResourcePoolManager` of the pools the roles use; each group has as many ranks as
-    its pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), run every group's
-    ``init_model`` concurrently, and yield ``{role: group}``. Every worker imports ``trainer.plugins`` before its
+    its pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), each worker
+    constructed from its role's inputs (its config section(s) and derived values, :mod:`hybridflow.trainer.
+    worker_inputs`; ``total_steps`` sizes the lr schedules), run every group's ``init_model`` concurrently, and
+    yield ``{role: group}``. Every worker imports ``trainer.plugins`` before its
     own constructor runs. On exit (also on error) the pools are removed, which ends their actors, so a long-lived
     Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
@@ -257,11 +259,11 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Ra
             f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))
         env = plugin_env(config.trainer.plugins)
         created = RayWorkerGroup.create_many([
-            (manager.get_resource_pool(role), RayClassWithInitArgs(spec.worker_class(), config, *spec.args), role)
+            (manager.get_resource_pool(role),
+             RayClassWithInitArgs(spec.worker_class(), *spec.constructor_args(config, total_steps)), role)
             for role, spec in roles.items()], env=env)
         groups = dict(zip(roles, created))
-        pending = {role: group.execute_all_async("init_model", *([total_steps] if roles[role].sizes_schedule else []))
-                   for role, group in groups.items()}
+        pending = {role: group.execute_all_async("init_model") for role, group in groups.items()}
         _wait_until_up(groups, pending, start)
         yield groups
     finally:

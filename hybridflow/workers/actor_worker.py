@@ -32,10 +32,9 @@ import time
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.controller import Dispatch, Execute, Worker, register
@@ -50,7 +49,11 @@ from hybridflow.workers.timing import report_time
 from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engine
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
+from hybridflow.workers.inputs import ActorInputs, expect, expect_section
 from hybridflow.workers.ppo_actor import PPOActor
+
+if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
+    from hybridflow.config.schema import ActorRolloutRefConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +68,13 @@ def setup_worker_process() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def make_rollout_config(config: DictConfig) -> SimpleNamespace:
-    """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the run config."""
-    rollout = config.actor_rollout_ref.rollout
+def make_rollout_config(rollout: RolloutConfig, max_response_length: int, lora_rank: int = 0,
+                        lora_alpha: float = 16.0) -> SimpleNamespace:
+    """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the
+    ``actor_rollout_ref.rollout`` section, ``data.max_response_length`` and the LoRA adapter payload's rank and alpha
+    (:func:`hybridflow.models.lora_sync.rollout_lora_options`; rank 0: merged or full weights)."""
     return SimpleNamespace(
-        response_length=config.data.max_response_length,
+        response_length=max_response_length,
         n=rollout.n,
         do_sample=rollout.do_sample,
         temperature=rollout.temperature,
@@ -78,7 +83,7 @@ def make_rollout_config(config: DictConfig) -> SimpleNamespace:
         micro_batch_size=rollout.micro_batch_size_per_gpu,
         tensor_model_parallel_size=rollout.tensor_model_parallel_size,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
-        **lora_sync.rollout_lora_options(config),  # LoRA adapters for a backend with its own engine (vllm)
+        lora_rank=lora_rank, lora_alpha=lora_alpha,  # LoRA adapters for a backend with its own engine (vllm)
     )
 
 
@@ -93,15 +98,24 @@ def with_rank_seed(prompts: DataProto, gen_dp_rank: int) -> DataProto:
 
 class ActorRolloutRefWorker(Worker):
     """Args:
-        config: the full run config (reads ``actor_rollout_ref``, ``data``, ``trainer``).
-        role: one of ``actor_rollout_ref``, ``actor_rollout``, ``ref``.
+        config: the ``actor_rollout_ref`` section (model, actor, rollout, ref), a schema dataclass object.
+        inputs: the values derived from the rest of the run config (seed, total steps, lengths, ...).
+        role: one of ``actor_rollout_ref``, ``actor_rollout``, ``ref``, ``actor_ref``.
+
+    Built by :func:`hybridflow.trainer.worker_inputs.actor_args`.
+
+    Raises:
+        TypeError: ``config`` is not the ``actor_rollout_ref`` section (e.g. the whole run config) or ``inputs``
+            not an :class:`~hybridflow.workers.inputs.ActorInputs`.
+        ValueError: unknown ``role``.
     """
 
-    def __init__(self, config: DictConfig, role: str = "actor_rollout_ref") -> None:
+    def __init__(self, config: ActorRolloutRefConfig, inputs: ActorInputs, role: str = "actor_rollout_ref") -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown actor role {role!r}; expected one of {ROLES}")
-        self.config = config
+        self.config = expect_section(config, "actor_rollout_ref", ("model", "actor", "rollout", "ref"))
+        self.inputs = expect(inputs, ActorInputs, "ActorRolloutRefWorker: inputs")
         self.role = role
         self._has_actor = role != "ref"
         self._has_ref = role in ("actor_rollout_ref", "ref", "actor_ref")
@@ -110,18 +124,18 @@ class ActorRolloutRefWorker(Worker):
         self._rollout_stale = True  # the rollout's weights differ from the actor's (or were discarded by a sleep)
         self._rollout_asleep = False
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
-        self._lora = lora_lib.lora_enabled(config.actor_rollout_ref.model)  # actor wrapped by peft (README "LoRA")
+        self._lora = lora_lib.lora_enabled(config.model)  # actor wrapped by peft (README "LoRA")
         self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
         self.multi_turn = None  # the multi-turn tool loop around the rollout (rollout.multi_turn.enable)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self, total_training_steps: int) -> None:
+    def init_model(self) -> None:
         """Join the process group, build the policy (+ reference) engines of ``actor.strategy``, the rollout.
-        ``total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
+        ``inputs.total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
         setup_worker_process()
         init_distributed()
-        cfg = self.config.actor_rollout_ref
-        torch.manual_seed(self.config.trainer.seed)
+        cfg, inputs = self.config, self.inputs
+        torch.manual_seed(inputs.seed)
         self.device = self.device_name
         tp = cfg.actor.tensor_model_parallel_size
         self.dp_size = self.world_size // tp
@@ -138,14 +152,13 @@ class ActorRolloutRefWorker(Worker):
             fsdp = cfg.actor.fsdp_config
             engine = engine_cls.build(EngineSpec(
                 kind="policy", model=cfg.model, layout=layout, device=self.device, optim=cfg.actor.optim,
-                total_steps=total_training_steps, grad_clip=cfg.actor.grad_clip,
-                nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
+                total_steps=inputs.total_training_steps, grad_clip=cfg.actor.grad_clip,
+                nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
                 optimizer_offload=fsdp.optimizer_offload, lora=self._lora, role="actor",
                 remove_padding=cfg.model.use_remove_padding))
-            scale = cfg.actor.loss_scale_factor or self.config.data.max_response_length  # Dr. GRPO's constant L
-            self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=scale)
+            self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=inputs.loss_scale_factor)
         if self._has_rollout:
-            self.multi_turn = MultiTurnLoop.from_config(self.config, self.tokenizer)
+            self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, self.tokenizer)
             self._init_rollout(dtype)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
@@ -157,7 +170,7 @@ class ActorRolloutRefWorker(Worker):
     def _init_rollout(self, dtype: torch.dtype) -> None:
         """The rollout backend: generating with the 3D-HybridEngine's model (hf without LoRA), or with its own
         copy of the weights (a module loaded here when the backend needs one; vllm loads the path itself)."""
-        cfg = self.config.actor_rollout_ref
+        cfg = self.config
         path = cfg.model.path
         rollout_cls = get_rollout_class(cfg.rollout.name)
         rollout_module = None
@@ -165,10 +178,11 @@ class ActorRolloutRefWorker(Worker):
         use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora
         if rollout_cls.needs_module and not use_engine:
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
-            if lora_sync.rollout_takes_adapters(self.config):  # base + adapters, refreshed by A and B only
+            if self.inputs.rollout_lora_adapters:  # base + adapters, refreshed by A and B only
                 rollout_module = lora_lib.apply_lora(rollout_module, cfg.model)
             rollout_module = rollout_module.to(self.device)
-        rollout_cfg = make_rollout_config(self.config)
+        rollout_cfg = make_rollout_config(cfg.rollout, self.inputs.max_response_length,
+                                          **lora_sync.rollout_lora_options(cfg.model, self.inputs.rollout_lora_adapters))
         eos = get_eos_token_ids(path, self.tokenizer)
         if use_engine:
             self._build_hybrid_engine(rollout_cfg, eos)
@@ -181,7 +195,7 @@ class ActorRolloutRefWorker(Worker):
     def _build_hybrid_engine(self, rollout_cfg: SimpleNamespace, eos: list[int]) -> None:
         """The hf rollout generates with the engine's tensor-parallel model; the rollout object is made on the
         first switch (the generation model holds weights only between a switch and the next training step)."""
-        cfg = self.config.actor_rollout_ref
+        cfg = self.config
         self.engine = HybridEngine(self.actor.engine, gen_tp=cfg.rollout.tensor_model_parallel_size,
                                    bucket_bytes=cfg.rollout.update_weights_bucket_megabytes << 20)
         self._hf_rollout_args = (rollout_cfg, eos, self.tokenizer.pad_token_id)
@@ -193,11 +207,11 @@ class ActorRolloutRefWorker(Worker):
                        rollout_cfg: SimpleNamespace, eos: list[int], dtype: torch.dtype) -> None:
         """A backend with its own copy of the weights, refreshed from the gathered actor after each update; its
         tensor-parallel groups (if any) are consecutive ranks."""
-        cfg = self.config.actor_rollout_ref
+        cfg = self.config
         self.rollout = rollout_cls.from_config(
             path, rollout_module, rollout_cfg, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
             dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
-            max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length,
+            max_model_len=self.inputs.max_prompt_length + self.inputs.max_response_length,
         )
         self._rollout_stale = False  # both were loaded from the same checkpoint
         tp_g = cfg.rollout.tensor_model_parallel_size
@@ -207,7 +221,7 @@ class ActorRolloutRefWorker(Worker):
     def _sleep_level(self) -> int:
         """2 (discard the rollout's weights too) when the next wake reloads all of them, 1 (keep them, offloaded)
         when only LoRA adapters are pushed (``rollout.lora_sync=adapter``: the base weights are not resent)."""
-        adapter_only = self._lora and self.config.actor_rollout_ref.rollout.lora_sync == "adapter"
+        adapter_only = self._lora and self.config.rollout.lora_sync == "adapter"
         return 1 if adapter_only else 2
 
     def _switch_to_training(self) -> None:
@@ -234,7 +248,7 @@ class ActorRolloutRefWorker(Worker):
             module = self.engine.switch_to_generation()
             if self.rollout is None:
                 rollout_cfg, eos, pad = self._hf_rollout_args
-                backend = get_rollout_class(self.config.actor_rollout_ref.rollout.name)
+                backend = get_rollout_class(self.config.rollout.name)
                 self.rollout = backend(module, rollout_cfg, eos_token_id=eos, pad_token_id=pad)
             return
         if self._rollout_asleep:
@@ -254,7 +268,9 @@ class ActorRolloutRefWorker(Worker):
         (``rollout.lora_sync=merged``) or the adapters only (``adapter``, where the rollout takes them; see
         :mod:`hybridflow.models.lora_sync`). Every rank consumes it in lockstep."""
         state = self.actor.engine.iter_weights()
-        return lora_sync.rollout_stream(self.config, self.actor.module, state) if self._lora else state
+        if not self._lora:
+            return state
+        return lora_sync.rollout_stream(self.inputs.rollout_lora_adapters, self.actor.module, state)
 
     def _push_items(self):
         """What :meth:`send_weights` sends: :meth:`_rollout_weights`, and with LoRA the trainer's sync probe last
@@ -284,7 +300,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
         self._switch_to_training()
-        rollout = self.config.actor_rollout_ref.rollout
+        rollout = self.config.rollout
         log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
                                                         rollout.log_prob_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
@@ -294,7 +310,7 @@ class ActorRolloutRefWorker(Worker):
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
-        ref = self.config.actor_rollout_ref.ref
+        ref = self.config.ref
         # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
         shares_actor = self._has_actor and self.ref.module is self.actor.module
         with self.actor.module.disable_adapter() if shares_actor else nullcontext():
@@ -308,10 +324,10 @@ class ActorRolloutRefWorker(Worker):
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
         ``data.meta_info["global_step"]`` seeds the mini-batch shuffle."""
         self._switch_to_training()
-        cfg = self.config.actor_rollout_ref
+        cfg = self.config
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.dp_size
         step = int(data.meta_info.get("global_step", 0))
-        metrics = self.actor.update_policy(data, mini, seed=self.config.trainer.seed + step)
+        metrics = self.actor.update_policy(data, mini, seed=self.inputs.seed + step)
         metrics["actor/lr"] = self.actor.engine.lr_scheduler_step()
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
@@ -322,10 +338,11 @@ class ActorRolloutRefWorker(Worker):
         """Host the transfer group's store; returns ``(host, port, layout)`` for the generators (layout: the
         ``(name, shape, dtype)`` of every tensor :meth:`send_weights` sends, in order)."""
         host, _ = self.get_master_addr_port()
-        self._sync_store = open_store(host, self.config.async_training.weight_sync_timeout_s)
+        self._sync_store = open_store(host, self.inputs.weight_sync_timeout_s)
         items = self.actor.module.state_dict().items()
         if self._lora:  # the payload the generators take (adapters or merged), then the trainer's sync probe
-            items = [*lora_sync.rollout_layout_items(self.config, items), lora_sync.probe_layout_entry()]
+            items = [*lora_sync.rollout_layout_items(self.inputs.rollout_lora_adapters, items),
+                     lora_sync.probe_layout_entry()]
         self._sync_layout = layout_of(items)
         return host, self._sync_store.port, self._sync_layout
 
@@ -334,7 +351,7 @@ class ActorRolloutRefWorker(Worker):
         """Rank 0 joins the transfer group as its sender (rank 0 of ``world_size``); other ranks only gather."""
         if self.rank == 0:
             self._weight_sync = WeightTransferGroup(
-                host, port, 0, world_size, self.device, self.config.async_training.weight_sync_timeout_s,
+                host, port, 0, world_size, self.device, self.inputs.weight_sync_timeout_s,
                 store=self._sync_store)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -344,7 +361,7 @@ class ActorRolloutRefWorker(Worker):
         ``sync/weight_transfer_bytes`` (bytes per generator rank); ``version`` is logged only."""
         self._switch_to_training()
         start = time.perf_counter()
-        bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
+        bucket = self.config.rollout.update_weights_bucket_megabytes << 20
         if self._weight_sync is None:  # ranks > 0 take part in the gathers only
             for _ in self._push_items():
                 pass
@@ -366,7 +383,7 @@ class ActorRolloutRefWorker(Worker):
             self.actor.module.generation_config.save_pretrained(hf_dir)
             self.tokenizer.save_pretrained(hf_dir)
             if self._lora:  # marks the checkpoint as LoRA for `hybridflow export` (merged or --adapter-only)
-                lora_lib.save_adapter_config(self.actor.module, hf_dir, self.config.actor_rollout_ref.model.path)
+                lora_lib.save_adapter_config(self.actor.module, hf_dir, self.config.model.path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
@@ -12,38 +13,51 @@ from hybridflow.protocol import DataProto
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
+from hybridflow.workers.inputs import CriticInputs, expect, expect_section
 from hybridflow.workers.ppo_critic import PPOCritic
+
+if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
+    from hybridflow.config.schema import CriticConfig
 
 
 class CriticWorker(Worker):
     """Args:
-        config: the full run config (reads ``critic``, ``actor_rollout_ref`` for defaults, ``trainer``).
+        config: the ``critic`` section, a schema dataclass object.
+        inputs: the values derived from the rest of the run config (seed, total steps, rollout.n, the backbone's
+            model section).
+
+    Built by :func:`hybridflow.trainer.worker_inputs.critic_args` (the reward critic and Safe-RLHF's cost critic).
 
     With ``critic.fsdp_config.param_offload`` / ``optimizer_offload`` the parameters (and grads) / the AdamW state
     live in host memory between the critic's calls and come to the device only for a call that needs them
     (verl's critic offload); on CPU both are no-ops.
+
+    Raises:
+        TypeError: ``config`` is not the ``critic`` section or ``inputs`` not a
+            :class:`~hybridflow.workers.inputs.CriticInputs`.
     """
 
-    def __init__(self, config: DictConfig) -> None:
+    def __init__(self, config: CriticConfig, inputs: CriticInputs) -> None:
         super().__init__()
-        self.config = config
+        self.config = expect_section(config, "critic", ("model", "optim", "fsdp_config", "strategy"))
+        self.inputs = expect(inputs, CriticInputs, "CriticWorker: inputs")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self, total_training_steps: int) -> None:
-        """Join the process group, build the value model's engine (backbone from ``critic.model.path`` or the
-        actor's path, fresh scalar head; FSDP over all ranks) with AdamW and the lr schedule, offloaded as
-        ``critic.fsdp_config`` says."""
+    def init_model(self) -> None:
+        """Join the process group, build the value model's engine (backbone ``inputs.model``: ``critic.model``, or
+        the actor's when it has no path; fresh scalar head; FSDP over all ranks) with AdamW and the lr schedule
+        (``inputs.total_training_steps`` long), offloaded as ``critic.fsdp_config`` says."""
         setup_worker_process()
         init_distributed()
-        cfg = self.config.critic
-        torch.manual_seed(self.config.trainer.seed + 1)
+        cfg, inputs = self.config, self.inputs
+        torch.manual_seed(inputs.seed + 1)
         self._register_dispatch_collect_info("critic", dp_rank=self.rank, is_collect=True)
-        model_cfg = cfg.model if cfg.model.path else self.config.actor_rollout_ref.model
+        model_cfg = inputs.model
         fsdp = cfg.fsdp_config
         engine = get_engine_class(cfg.strategy).build(EngineSpec(
             kind="value", model=model_cfg, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
-            optim=cfg.optim, total_steps=total_training_steps, grad_clip=cfg.grad_clip,
-            nonfinite_grad=self.config.trainer.nonfinite_grad, param_offload=fsdp.param_offload,
+            optim=cfg.optim, total_steps=inputs.total_training_steps, grad_clip=cfg.grad_clip,
+            nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
             optimizer_offload=fsdp.optimizer_offload, role="critic",
             lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model,  # critic.model.lora_*: backbone adapters
             remove_padding=model_cfg.use_remove_padding))
@@ -55,7 +69,7 @@ class CriticWorker(Worker):
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
         with self.critic.engine.on_device(optimizer=False):
-            cfg = self.config.critic
+            cfg = self.config
             values = self.critic.compute_values(data, cfg.forward_micro_batch_size_per_gpu,
                                                 cfg.forward_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"values": values})
@@ -64,11 +78,11 @@ class CriticWorker(Worker):
     @report_time
     def update_critic(self, data: DataProto) -> DataProto:
         """One clipped value-loss update; returns ``meta_info["metrics"]``."""
-        cfg = self.config.critic
-        mini = cfg.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n // self.world_size
+        cfg = self.config
+        mini = cfg.ppo_mini_batch_size * self.inputs.rollout_n // self.world_size
         step = int(data.meta_info.get("global_step", 0))
         with self.critic.engine.on_device(optimizer=True):
-            metrics = self.critic.update_critic(data, mini, seed=self.config.trainer.seed + step)
+            metrics = self.critic.update_critic(data, mini, seed=self.inputs.seed + step)
         metrics["critic/lr"] = self.critic.engine.lr_scheduler_step()
         return DataProto(meta_info={"metrics": metrics})
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed, resolve_dtype
@@ -35,23 +35,41 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import get_rollout_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.actor_worker import make_rollout_config, setup_worker_process, with_rank_seed
+from hybridflow.workers.inputs import GeneratorInputs, expect, expect_section
 from hybridflow.workers.timing import report_time
+
+if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
+    from hybridflow.config.schema import ActorRolloutRefConfig, AsyncTrainingConfig
 
 logger = logging.getLogger(__name__)
 
 
 class GeneratorWorker(Worker):
-    """One rank of the generator group. Args: ``config``: the full run config (reads ``actor_rollout_ref.model``,
-    ``actor_rollout_ref.rollout``, ``data``, ``async_training``)."""
+    """One rank of the generator group.
+
+    Args:
+        config: the ``actor_rollout_ref`` section (its ``model`` and ``rollout`` are read), a schema dataclass object.
+        async_training: the ``async_training`` section.
+        inputs: the values derived from the rest of the run config (lengths, the LoRA payload).
+
+    Built by :func:`hybridflow.trainer.worker_inputs.generator_args`.
+
+    Raises:
+        TypeError: an argument is not the section or values named above.
+    """
 
     # a weight receive runs while a generation runs; every queued generation call also holds a thread while it
     # waits for the generation lock (calls run one at a time), so there are threads for the largest queue the
     # config allows (async_training.queue_size <= 32) plus the receive and a validation call
     ray_actor_options = {"max_concurrency": 34}
 
-    def __init__(self, config: DictConfig) -> None:
+    def __init__(self, config: ActorRolloutRefConfig, async_training: AsyncTrainingConfig,
+                 inputs: GeneratorInputs) -> None:
         super().__init__()
-        self.config = config
+        self.config = expect_section(config, "actor_rollout_ref", ("model", "rollout"))
+        self.async_training = expect_section(async_training, "async_training",
+                                             ("generator_quantization", "weight_sync_timeout_s"))
+        self.inputs = expect(inputs, GeneratorInputs, "GeneratorWorker: inputs")
         self.version = 0  # the trainer step whose weights generate (0: the initial checkpoint)
         self._generate_lock = threading.Lock()
         self._stage_lock = threading.Lock()
@@ -64,7 +82,7 @@ class GeneratorWorker(Worker):
         """Join the generator group's process group and build the rollout backend from the checkpoint."""
         setup_worker_process()
         init_distributed()
-        cfg = self.config.actor_rollout_ref
+        cfg, inputs = self.config, self.inputs
         self.device = self.device_name
         dtype = resolve_dtype(cfg.model.dtype, self.device)
         path = cfg.model.path
@@ -74,20 +92,22 @@ class GeneratorWorker(Worker):
         if rollout_cls.needs_module:
             module = load_causal_lm(path, dtype, cfg.model.trust_remote_code).to(self.device)
             module.requires_grad_(False)
-            if lora_sync.rollout_takes_adapters(self.config):  # base + adapters, refreshed by A and B only
+            if inputs.rollout_lora_adapters:  # base + adapters, refreshed by A and B only
                 module = lora_lib.apply_lora(module, cfg.model).to(self.device)
-        self._quantized = self.config.async_training.generator_quantization == "int8"
+        self._quantized = self.async_training.generator_quantization == "int8"
         if self._quantized:
             from hybridflow.models.quantize import quantize_linear_layers
 
             names = quantize_linear_layers(module)
             logger.info("generator rank %d: %d Linear layers quantized to int8", self.rank, len(names))
         self.module = module
-        self.multi_turn = MultiTurnLoop.from_config(self.config, tokenizer)
+        self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, tokenizer)
+        rollout_cfg = make_rollout_config(cfg.rollout, inputs.max_response_length,
+                                          **lora_sync.rollout_lora_options(cfg.model, inputs.rollout_lora_adapters))
         self.rollout = rollout_cls.from_config(
-            path, module, make_rollout_config(self.config), eos_token_id=get_eos_token_ids(path, tokenizer),
+            path, module, rollout_cfg, eos_token_id=get_eos_token_ids(path, tokenizer),
             pad_token_id=tokenizer.pad_token_id, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code,
-            max_model_len=self.config.data.max_prompt_length + self.config.data.max_response_length)
+            max_model_len=inputs.max_prompt_length + inputs.max_response_length)
         tp_g = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp_g, is_collect=self.rank % tp_g == 0)
 
@@ -96,13 +116,13 @@ class GeneratorWorker(Worker):
         """Join the transfer group as rank ``1 + rank`` of ``world_size`` (rank 0 is the trainer's sender)."""
         self._layout = layout
         self._weight_sync = WeightTransferGroup(host, port, 1 + self.rank, world_size, self.device,
-                                                self.config.async_training.weight_sync_timeout_s)
+                                                self.async_training.weight_sync_timeout_s)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def receive_weights(self, version: int) -> None:
         """Receive the trainer's weights of ``version`` (runs while a generation may be running) and stage them
         for the next generation call. A newer staged version replaces an older one not yet loaded."""
-        bucket = self.config.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20
+        bucket = self.config.rollout.update_weights_bucket_megabytes << 20
         tensors, probe = lora_sync.split_probe(list(self._weight_sync.receive(self._layout, bucket)))
         with self._stage_lock:
             if self._staged is None or self._staged[0] < version:

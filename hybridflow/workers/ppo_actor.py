@@ -6,21 +6,22 @@ Shapes: (B, R) = sequences on this rank, response tokens; (B, P+R) = prompt + re
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, overlong_filter_mask
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
-from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
+from hybridflow.training import TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
+from hybridflow.workers.engine_model import EngineModel
 
 
-class PPOActor:
-    """Log-probabilities and the PPO policy update for one dp rank.
+class PPOActor(EngineModel):
+    """Log-probabilities and the PPO policy update for one dp rank (engine, optimizer, ``module``, ``optimizer``
+    and ``skipped_steps``: :class:`~hybridflow.workers.engine_model.EngineModel`).
 
     Args:
         engine: the policy's training engine (``kind="policy"``), or a causal LM module (possibly FSDP2-sharded),
@@ -47,34 +48,16 @@ class PPOActor:
     ``actor.ppo_max_token_len_per_gpu`` in the update, the ``max_token_len`` argument of :meth:`compute_log_prob`.
     """
 
+    KIND, ROLE = "policy", "actor"
+
     def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 config: DictConfig, sampling: SamplingSpec, nonfinite_grad: str = "skip",
+                 config: Any, sampling: SamplingSpec, nonfinite_grad: str = "skip",
                  loss_scale_factor: float | None = None, use_remove_padding: bool = False) -> None:
         if not isinstance(sampling, SamplingSpec):
             raise TypeError(f"PPOActor: sampling must be a SamplingSpec, got {type(sampling).__name__}")
-        if isinstance(engine, torch.nn.Module):
-            engine = FSDP2Engine.from_module(engine, optimizer, kind="policy", grad_clip=config.grad_clip,
-                                             nonfinite_grad=nonfinite_grad, role="actor",
-                                             remove_padding=use_remove_padding)
-        elif optimizer is not None:
-            raise ValueError("PPOActor: pass the optimizer with a module; an engine owns its optimizer")
-        self.engine = engine
+        super().__init__(engine, optimizer, config, nonfinite_grad, use_remove_padding)
         self.loss_scale_factor = loss_scale_factor
-        self.config = config
         self.sampling = sampling
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    @property
-    def optimizer(self) -> Optional[torch.optim.Optimizer]:
-        return self.engine.optimizer
-
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps the non-finite guard dropped (the engine's count)."""
-        return self.engine.skipped_steps
 
     def _log_prob(self, micro: DataProto, calculate_entropy: bool):
         out = self.engine.forward(micro, sampling=self.sampling, entropy=calculate_entropy)

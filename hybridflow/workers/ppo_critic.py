@@ -6,20 +6,19 @@ Shapes: (B, R) = sequences on this rank, response tokens.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.algorithms import compute_value_loss, masked_mean
 from hybridflow.protocol import DataProto
-from hybridflow.training import FSDP2Engine, TrainEngine, update_mini_batches
+from hybridflow.training import update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
+from hybridflow.workers.engine_model import EngineModel
 
 
-class PPOCritic:
-    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank.
+class PPOCritic(EngineModel):
+    """Values and the clipped value-loss update (PPO, Schulman et al. 2017) for one dp rank (engine, optimizer,
+    ``module``, ``optimizer`` and ``skipped_steps``: :class:`~hybridflow.workers.engine_model.EngineModel`).
 
     Args:
         engine: the value model's engine, or a value module (wrapped in an ``fsdp2`` engine with ``optimizer``,
@@ -34,28 +33,7 @@ class PPOCritic:
     ``max_token_len`` argument of :meth:`compute_values`; :mod:`hybridflow.training.token_batches`).
     """
 
-    def __init__(self, engine: Union[TrainEngine, torch.nn.Module], optimizer: Optional[torch.optim.Optimizer],
-                 config: DictConfig, nonfinite_grad: str = "skip", use_remove_padding: bool = False) -> None:
-        if isinstance(engine, torch.nn.Module):
-            engine = FSDP2Engine.from_module(engine, optimizer, kind="value", grad_clip=config.grad_clip,
-                                             nonfinite_grad=nonfinite_grad, role="critic",
-                                             remove_padding=use_remove_padding)
-        elif optimizer is not None:
-            raise ValueError("PPOCritic: pass the optimizer with a module; an engine owns its optimizer")
-        self.engine = engine
-        self.config = config
-
-    @property
-    def module(self) -> torch.nn.Module:
-        return self.engine.module
-
-    @property
-    def optimizer(self) -> Optional[torch.optim.Optimizer]:
-        return self.engine.optimizer
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.engine.skipped_steps
+    KIND, ROLE = "value", "critic"
 
     @torch.no_grad()
     def compute_values(self, data: DataProto, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:

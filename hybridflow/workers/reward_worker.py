@@ -6,8 +6,9 @@ how outcome rewards enter GAE and the other estimators.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
@@ -16,6 +17,10 @@ from hybridflow.workers.timing import report_time
 from hybridflow.rewards import load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rewards.cost import get_cost_fn
+from hybridflow.workers.inputs import RuleRewardInputs, expect, expect_section
+
+if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
+    from hybridflow.config.schema import RewardConfig
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -36,17 +41,30 @@ def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Ten
 class RuleRewardWorker(Worker):
     """Scores responses with ``reward_model.compute_score``: :func:`hybridflow.rewards.default_compute_score` (by
     ``data_source``) or a user function (:func:`hybridflow.rewards.load_compute_score`), and with the rule cost
-    ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF."""
+    ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF.
 
-    def __init__(self, config: DictConfig) -> None:
+    Args:
+        config: the ``reward_model`` section (``compute_score``, ``error_score``), a schema dataclass object.
+        inputs: the actor's tokenizer and the rule cost (``cost_model.rule``).
+
+    Built by :func:`hybridflow.trainer.worker_inputs.rule_reward_args`.
+
+    Raises:
+        TypeError: ``config`` is not the ``reward_model`` section or ``inputs`` not a
+            :class:`~hybridflow.workers.inputs.RuleRewardInputs`.
+    """
+
+    def __init__(self, config: RewardConfig, inputs: RuleRewardInputs) -> None:
         super().__init__()
-        self.config = config
+        self.config = expect_section(config, "reward_model", ("compute_score", "error_score"))
+        self.inputs = expect(inputs, RuleRewardInputs, "RuleRewardWorker: inputs")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        model = self.config.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
-        spec = self.config.reward_model.compute_score
+        """Load the actor's tokenizer and the scoring function."""
+        tok = self.inputs.tokenizer
+        self.tokenizer = load_tokenizer(tok.path, tok.trust_remote_code)
+        spec = self.config.compute_score
         self.compute_score = None if spec == "default" else load_compute_score(spec)  # None: the registry
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -57,7 +75,7 @@ class RuleRewardWorker(Worker):
 
         A scoring function that raises stops the run with an error naming the sample, unless
         ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample."""
-        scores, errors = score_batch(self.tokenizer, data, error_score=self.config.reward_model.error_score,
+        scores, errors = score_batch(self.tokenizer, data, error_score=self.config.error_score,
                                      return_errors=True, compute_score=self.compute_score)
         mask = data.batch["response_mask"]
         return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
@@ -69,7 +87,7 @@ class RuleRewardWorker(Worker):
         """``token_level_cost_scores`` (B, R) fp32: the rule cost ``cost_model.rule`` of each decoded response
         (``responses``/``response_mask``; ``ground_truth`` and ``extra_info`` columns when present) on its last
         valid token."""
-        fn = get_cost_fn(self.config.cost_model.rule)
+        fn = get_cost_fn(self.inputs.cost_rule)
         nt = data.non_tensor_batch
         truths, extra = nt.get("ground_truth"), nt.get("extra_info")
         costs = [float(fn(text, "" if truths is None else truths[i], None if extra is None else extra[i]))

@@ -15,8 +15,9 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Union
+
 import torch
-from omegaconf import DictConfig
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
@@ -24,8 +25,12 @@ from hybridflow.models.hf import load_score_model, load_tokenizer  # noqa: F401 
 from hybridflow.protocol import DataProto
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.actor_worker import setup_worker_process
+from hybridflow.workers.inputs import ScoreModelInputs, expect, expect_section
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
+
+if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
+    from hybridflow.config.schema import CostConfig, RewardConfig
 
 ROLES = ("reward_model", "cost_model")
 MESH = "score_model"
@@ -46,18 +51,26 @@ def last_token_scores(token_scores: torch.Tensor, attention_mask: torch.Tensor) 
 
 class RewardModelWorker(Worker):
     """Args:
-        config: the full run config (reads the ``role`` section and ``actor_rollout_ref.model``).
-        role: ``reward_model`` or ``cost_model``: which config section holds the model.
+        config: the ``role`` section (``reward_model`` or ``cost_model``: ``model``, ``strategy``,
+            ``micro_batch_size_per_gpu``), a schema dataclass object.
+        inputs: the actor's tokenizer (for the vocabulary check).
+        role: ``reward_model`` or ``cost_model``: which section ``config`` is.
+
+    Built by :func:`hybridflow.trainer.worker_inputs.score_model_args`.
 
     Raises:
         ValueError: unknown ``role``.
+        TypeError: ``config`` is not a score-model section or ``inputs`` not a
+            :class:`~hybridflow.workers.inputs.ScoreModelInputs`.
     """
 
-    def __init__(self, config: DictConfig, role: str = "reward_model") -> None:
+    def __init__(self, config: Union[RewardConfig, CostConfig], inputs: ScoreModelInputs,
+                 role: str = "reward_model") -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown score-model role {role!r}; expected one of {ROLES}")
-        self.config = config
+        self.config = expect_section(config, role, ("model", "strategy", "micro_batch_size_per_gpu"))
+        self.inputs = expect(inputs, ScoreModelInputs, "RewardModelWorker: inputs")
         self.role = role
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -70,13 +83,12 @@ class RewardModelWorker(Worker):
         """
         setup_worker_process()
         init_distributed()
-        section = self.config[self.role]
-        actor_model = self.config.actor_rollout_ref.model
-        actor_tok = load_tokenizer(actor_model.tokenizer_path or actor_model.path, actor_model.trust_remote_code)
+        section, actor = self.config, self.inputs.actor_tokenizer
+        actor_tok = load_tokenizer(actor.path, actor.trust_remote_code)
         own_tok = load_tokenizer(section.model.tokenizer_path or section.model.path, section.model.trust_remote_code)
         if own_tok.get_vocab() != actor_tok.get_vocab():
             raise ValueError(f"{self.role}.model.path={section.model.path!r} uses a different tokenizer than the "
-                             f"actor ({actor_model.path!r}); the scorer reads the actor's token ids, so it must "
+                             f"actor ({actor.path!r}); the scorer reads the actor's token ids, so it must "
                              "share the actor's vocabulary")
         self._register_dispatch_collect_info(MESH, dp_rank=self.rank, is_collect=True)
         self.engine = get_engine_class(section.strategy).build(EngineSpec(
@@ -94,6 +106,6 @@ class RewardModelWorker(Worker):
         """``rm_scores`` (B, R) fp32: the model's score of each whole sequence (``input_ids``,
         ``attention_mask``, ``position_ids`` (B, L)) on its last valid response token (``response_mask``
         (B, R)), 0 elsewhere; a row without response tokens gets no score."""
-        micro = self.config[self.role].micro_batch_size_per_gpu
+        micro = self.config.micro_batch_size_per_gpu
         scores = torch.cat([self._scores(m) for m in data.split(micro)]).cpu()
         return DataProto.from_dict(tensors={"rm_scores": place_scores(scores, data.batch["response_mask"].cpu())})

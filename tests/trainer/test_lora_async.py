@@ -65,6 +65,7 @@ def test_async_lora_pushes_adapters_and_generators_verify(ray_session, tmp_path)
 def _generator_rank(rank: int, port: int, backend: str, out: str) -> None:
     """One generator rank (adapter payload): a checked push, then a push whose load does nothing."""
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from hybridflow.trainer.worker_inputs import generator_args
     from hybridflow.workers.generator_worker import GeneratorWorker
 
     if backend == "vllm":
@@ -74,7 +75,7 @@ def _generator_rank(rank: int, port: int, backend: str, out: str) -> None:
     cfg = load_config("async_grpo_quickstart", LORA + ["actor_rollout_ref.rollout.lora_sync=adapter",
                                                        f"actor_rollout_ref.rollout.name={backend}",
                                                        "data.max_response_length=4"])
-    worker = GeneratorWorker(cfg)
+    worker = GeneratorWorker(*generator_args(cfg, total_steps=0))
     worker.init_model()
     prompts = DataProto.from_dict(tensors={"input_ids": torch.tensor([[5, 9, 13, 20]]),
                                            "attention_mask": torch.ones(1, 4, dtype=torch.long),

@@ -39,8 +39,10 @@ def _rank(rank: int, port: int, out: str) -> None:
                       MASTER_PORT=str(port))
     from hybridflow.workers.critic_worker import CriticWorker
 
-    worker = CriticWorker(_config())
-    worker.init_model(total_training_steps=2)
+    from hybridflow.trainer.worker_inputs import critic_args
+
+    worker = CriticWorker(*critic_args(_config(), total_steps=2))
+    worker.init_model()
     res = {"trainable": sorted(n for n, p in worker.critic.module.named_parameters() if p.requires_grad),
            "optim_params": sum(len(g["params"]) for g in worker.critic.optimizer.param_groups)}
     batch = _batch()

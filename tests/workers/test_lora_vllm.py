@@ -84,8 +84,10 @@ def _rank(rank: int, port: int, sync: str, out: str) -> None:
     from hybridflow.rollout.vllm_rollout import VLLMRollout
     from hybridflow.workers.actor_worker import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(_config(sync))
-    worker.init_model(total_training_steps=4)
+    from hybridflow.trainer.worker_inputs import actor_args
+
+    worker = ActorRolloutRefWorker(*actor_args(_config(sync), total_steps=4))
+    worker.init_model()
     vocab = worker.actor.module.config.vocab_size
     res = {"engine_lora": worker.rollout._adapter is not None}
     res["payload0"], _, res["trainer_probe0"] = _state(worker)
@@ -122,7 +124,9 @@ def _hf_greedy(merged: dict) -> DataProto:
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("builtin:tiny-arith"), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(merged, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    rollout = HFRollout(model.eval(), make_rollout_config(_config("merged")), eos_token_id=2, pad_token_id=0)
+    cfg = _config("merged")
+    rollout_cfg = make_rollout_config(cfg.actor_rollout_ref.rollout, cfg.data.max_response_length)
+    rollout = HFRollout(model.eval(), rollout_cfg, eos_token_id=2, pad_token_id=0)
     return rollout.generate_sequences(_prompts())
 
 

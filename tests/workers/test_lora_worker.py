@@ -95,8 +95,10 @@ def _rank(rank: int, port: int, sync: str, mode: str, out: str) -> None:
 
     if mode == "noop":
         HFRollout.load_weights = lambda self, weights: None  # a sync that never delivers
-    worker = ActorRolloutRefWorker(_config(sync))
-    worker.init_model(total_training_steps=4)
+    from hybridflow.trainer.worker_inputs import actor_args
+
+    worker = ActorRolloutRefWorker(*actor_args(_config(sync), total_steps=4))
+    worker.init_model()
     if mode == "resume":
         _resume(worker, out)
         torch.distributed.destroy_process_group()
