@@ -7,7 +7,8 @@ megatron-core assumes CUDA in a few places that are not guarded by a device opti
   attention masks, DDP grad buffers and the distributed optimizer allocate on it);
 * a :class:`torch.overrides.TorchFunctionMode` maps ``device="cuda"`` (or ``cuda:N``) of any torch call to CPU
   (``torch.zeros(..., device="cuda")`` in the pipeline schedules' token counters, grad-norm helpers), and
-  ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to no-ops;
+  ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to no-ops, and ``Tensor.type()`` names CPU tensors as their CUDA
+  type (``torch.cuda.FloatTensor``: the distributed optimizer's parameter-type check);
 * ``torch.cuda.synchronize`` is a no-op (p2p communication);
 * the RNG-state helpers of ``megatron.core.tensor_parallel.random`` (``_get_cuda_rng_state``,
   ``_set_cuda_rng_state``) and ``torch.cuda.get_rng_state`` / ``manual_seed`` use the CPU generator, so the
@@ -47,7 +48,10 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and result.startswith("torch."):
+            return result if ".cuda." in result else "torch.cuda." + result[len("torch."):]
+        return result
 
 
 @contextlib.contextmanager
