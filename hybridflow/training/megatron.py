@@ -45,7 +45,7 @@ class MegatronEngine(TrainEngine):
         self.layout = spec.layout
         self.gpt = parts["gpt"]  # the GPTModel of this rank's stage
         self.model = parts["model"]  # DDP-wrapped (trained) or the GPTModel (frozen)
-        self.module = self.gpt
+        self.module = parts["hf_module"]  # the HF module on the meta device: config, generation_config, no data
         self.hf_config = parts["hf_config"]
         self.params = parts["params"]  # HFParam table, HF order
         self.optimizer = parts.get("optimizer")

@@ -54,13 +54,15 @@ def init_parallel_state(layout: ParallelLayout, seed: int, device: str) -> None:
     torch.set_rng_state(state)
 
 
-def _hf_state(spec: EngineSpec, dtype: torch.dtype) -> tuple[Any, dict[str, torch.Tensor]]:
-    """``(HF config, full HF state dict on CPU)`` of ``spec.model``."""
+def _hf_state(spec: EngineSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``(HF module moved to the meta device, full HF state dict on CPU)`` of ``spec.model``: the module keeps
+    ``config`` and ``generation_config`` (the engine's ``module``, e.g. for checkpoints' ``hf/``) but no data."""
     from hybridflow.models import hf
 
     load = hf.load_causal_lm if spec.kind == "policy" else hf.load_value_model
     module = load(spec.model.path, dtype, spec.model.trust_remote_code)
-    return module.config, {k: v.detach() for k, v in module.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return module.to("meta"), state
 
 
 def _optimizer(spec: EngineSpec, gpt: torch.nn.Module, dtype: torch.dtype) -> tuple[Any, Any, list]:
@@ -89,7 +91,7 @@ def _optimizer(spec: EngineSpec, gpt: torch.nn.Module, dtype: torch.dtype) -> tu
 
 def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
     """Everything :class:`MegatronEngine` holds for ``spec`` on this rank (``gpt``, ``model``, ``hf_config``,
-    ``params``, ``optimizer``, ``lr_scheduler``).
+    ``hf_module`` (meta device), ``params``, ``optimizer``, ``lr_scheduler``).
 
     Raises:
         ImportError / ValueError: see :func:`init_parallel_state`; ``ValueError`` for a score model, LoRA, or host
@@ -108,7 +110,8 @@ def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
     layout = spec.layout
     init_parallel_state(layout, torch.initial_seed() % (2**31), spec.device)
     dtype, _ = training_dtypes(spec.model.dtype, spec.device, probe=lambda: False)
-    hf_config, hf_state = _hf_state(spec, dtype)
+    hf_module, hf_state = _hf_state(spec, dtype)
+    hf_config = hf_module.config
     _, tp_rank, pp_rank = layout.coords(dist.get_rank())
     with cpu_adapter(spec.device):
         gpt = build_gpt_model(hf_config, spec.kind, tp=layout.tp, pp=layout.pp, pp_rank=pp_rank, dtype=dtype,
@@ -116,7 +119,7 @@ def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
         load_local_state(gpt, local_state_from_hf(hf_state, hf_config, spec.kind, tp=layout.tp, tp_rank=tp_rank,
                                                   pp=layout.pp, pp_rank=pp_rank))
         del hf_state
-        parts: dict[str, Any] = {"gpt": gpt, "model": gpt, "hf_config": hf_config,
+        parts: dict[str, Any] = {"gpt": gpt, "model": gpt, "hf_config": hf_config, "hf_module": hf_module,
                                  "params": hf_params(hf_config, spec.kind, layout.pp)}
         if spec.optim is None:
             gpt.requires_grad_(False)
@@ -134,7 +137,9 @@ def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, 
 
     state = {"model": {k: v.detach().clone() for k, v in engine.gpt.named_parameters()},
              "rng": rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
-             "skipped_steps": engine.skipped_steps, "extra": dict(extra or {})}
+             "skipped_steps": engine.skipped_steps, "extra": dict(extra or {}),
+             # what hybridflow.models.megatron_export needs to rebuild HF tensors offline
+             "layout": (engine.layout.dp, engine.layout.tp, engine.layout.pp), "kind": engine.spec.kind}
     if engine.optimizer is not None:
         opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
         state["optim"] = [opt.optimizer.state_dict() for opt in opts]

@@ -92,16 +92,23 @@ def _engine(root: str, role: str, layout: ParallelLayout):
         total_steps=4, grad_clip=1.0, role=role))
 
 
-def _resume_is_exact(root: str, layout: ParallelLayout, data: DataProto) -> bool:
-    """update, save, update (A); load, update (B): A and B are bit-identical weights."""
+def _resume_is_exact(root: str, layout: ParallelLayout, data: DataProto) -> tuple[bool, torch.Tensor]:
+    """update, save (as a trainer checkpoint's ``actor/``), update (A); load, update (B): A and B are bit-identical
+    weights. Also returns the engine's logprobs of ``data`` at the save (for the export test)."""
     engine = _engine(root, "actor", layout)
-    _update("actor", engine, data)
-    engine.save_checkpoint(os.path.join(root, "ckpt"), extra={"step": 1})
+    _, saved_logprobs = _update("actor", engine, data)
+    ckpt = os.path.join(root, "ckpt", "actor")
+    engine.save_checkpoint(ckpt, extra={"step": 1})
+    if dist.get_rank() == 0:  # what the actor worker adds for `hybridflow export`
+        from hybridflow.models.hf import load_tokenizer
+
+        engine.module.config.save_pretrained(os.path.join(ckpt, "hf"))
+        load_tokenizer("builtin:tiny-arith").save_pretrained(os.path.join(ckpt, "hf"))
     _update("actor", engine, data)
     after = [v.clone() for _, v in engine.iter_shards()]
-    assert engine.load_checkpoint(os.path.join(root, "ckpt")) == {"step": 1}
+    assert engine.load_checkpoint(ckpt) == {"step": 1}
     _update("actor", engine, data)
-    return all(torch.equal(a, b) for a, (_, b) in zip(after, engine.iter_shards()))
+    return all(torch.equal(a, b) for a, (_, b) in zip(after, engine.iter_shards())), saved_logprobs
 
 
 def _worker(rank: int, port: int, root: str) -> None:
@@ -152,7 +159,8 @@ def test_megatron_updates_equal_fsdp2_and_resume_exactly(checkpoints) -> None:
     mp.spawn(_worker, args=(_free_port(), root), nprocs=4, join=True)
     per_rank = [torch.load(os.path.join(root, f"res.{r}"), weights_only=False) for r in range(4)]
     mask = _batch().batch["response_mask"].bool()
-    assert all(res["resume"] for res in per_rank)
+    assert all(res["resume"][0] for res in per_rank)
+    _check_export(root, per_rank)
     for tp, pp in LAYOUTS:
         layout = ParallelLayout(dp=4 // (tp * pp), tp=tp, pp=pp)
         for role, loss_key in (("actor", "actor/pg_loss"), ("critic", "critic/vf_loss")):
@@ -182,3 +190,25 @@ def _check_rank(res, ref, layout: ParallelLayout, rank: int, role: str, loss_key
             continue
         full = weights[name]
         assert torch.equal(shards[name], full if spec.tp_dim is None else full.chunk(layout.tp, spec.tp_dim)[tp_rank])
+
+
+def _check_export(root: str, per_rank: list) -> None:
+    """``hybridflow export`` of the megatron checkpoint (tp=1, pp=2, dp=2): an HF directory whose logprobs equal
+    the engine's at the save, on each dp rank's rows."""
+    from hybridflow.models.export import export_checkpoint
+
+    out = export_checkpoint(os.path.join(root, "ckpt"), os.path.join(root, "exported"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    data = _batch()
+    b = data.batch
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, P - 1:-1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+    layout = ParallelLayout(dp=2, tp=1, pp=2)
+    mask = b["response_mask"].bool()
+    for rank, res in enumerate(per_rank):
+        dp_rank = layout.coords(rank)[0]
+        rows = mask.chunk(2)[dp_rank]
+        diff = (res["resume"][1][rows] - logprobs.chunk(2)[dp_rank][rows]).abs().max()
+        assert diff <= 1e-5, (rank, float(diff))
