@@ -94,7 +94,7 @@ def _engine(root: str, role: str, layout: ParallelLayout):
 
 def _resume_is_exact(root: str, layout: ParallelLayout, data: DataProto) -> tuple[bool, torch.Tensor]:
     """update, save (as a trainer checkpoint's ``actor/``), update (A); load, update (B): A and B are bit-identical
-    weights. Also returns the engine's logprobs of ``data`` at the save (for the export test)."""
+    weights, and a NaN step after them is skipped. Also returns the engine's logprobs of ``data`` at the save (for the export test)."""
     engine = _engine(root, "actor", layout)
     _, saved_logprobs = _update("actor", engine, data)
     ckpt = os.path.join(root, "ckpt", "actor")
@@ -108,7 +108,18 @@ def _resume_is_exact(root: str, layout: ParallelLayout, data: DataProto) -> tupl
     after = [v.clone() for _, v in engine.iter_shards()]
     assert engine.load_checkpoint(ckpt) == {"step": 1}
     _update("actor", engine, data)
-    return all(torch.equal(a, b) for a, (_, b) in zip(after, engine.iter_shards())), saved_logprobs
+    exact = all(torch.equal(a, b) for a, (_, b) in zip(after, engine.iter_shards()))
+    return exact and _nan_step_is_skipped(engine, data), saved_logprobs
+
+
+def _nan_step_is_skipped(engine, data: DataProto) -> bool:
+    """A NaN loss: the step is skipped and counted, weights unchanged (trainer.nonfinite_grad=skip)."""
+    before = [v.clone() for _, v in engine.iter_shards()]
+    engine.zero_grad()
+    engine.forward_backward_micro_batches([data.split(1)[0]], [lambda out: out["log_probs"].sum() * float("nan")])
+    grad_norm, skipped = engine.optimizer_step()
+    unchanged = all(torch.equal(a, b) for a, (_, b) in zip(before, engine.iter_shards()))
+    return skipped and grad_norm != grad_norm and engine.skipped_steps == 1 and unchanged
 
 
 def _worker(rank: int, port: int, root: str) -> None:
