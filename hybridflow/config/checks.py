@@ -213,9 +213,11 @@ def off_policy_problems(get: Callable[[str], Any]) -> list[str]:
 def strategy_problems(get: Callable[[str], Any]) -> list[str]:
     """Each ``*.strategy`` must name a registered training engine (:data:`hybridflow.training.ENGINES`; a user
     engine registers from a plugin module). The registry is imported only when a value is not the default."""
+    from hybridflow.config.megatron_checks import megatron_problems
+
     names = {key: get(key) for key in STRATEGY_KEYS}
     if all(name == DEFAULT_STRATEGY for name in names.values()):
-        return []
+        return megatron_problems(get)
     from hybridflow.training import ENGINES
 
     known = ENGINES.names()
@@ -227,7 +229,7 @@ def strategy_problems(get: Callable[[str], Any]) -> list[str]:
             problems.append(f"{key}: {name!r} is not implemented; registered training engines: "
                             f"{', '.join(known)}{hint}; a new one registers with "
                             "hybridflow.training.register_engine")
-    return problems
+    return problems + megatron_problems(get)
 
 
 def reward_fn_problems(get: Callable[[str], Any]) -> list[str]:

@@ -113,12 +113,17 @@ def run_layouts(config: DictConfig) -> dict[str, dict[str, tuple[int, int, int]]
     def get(path: str) -> Any:
         return _section(config, path)
 
+    from hybridflow.config.megatron_checks import engine_layout
+
     actor = _pool_ranks(get, "actor")
     tp, tp_g = (get(k) for k in TP_KEYS.values())
-    out = {"actor": {"train": (actor // tp, tp, 1), "generate": (actor // tp_g, tp_g, 1)},
-           "reference": {"infer": (actor // tp, tp, 1)}}
+    section = config.actor_rollout_ref.actor
+    train = engine_layout(section.strategy, section, actor, tp)  # strategy=megatron: actor.megatron's tp x pp
+    out = {"actor": {"train": (train.dp, train.tp, train.pp), "generate": (actor // tp_g, tp_g, 1)},
+           "reference": {"infer": (train.dp, train.tp, train.pp)}}
     if need_critic_for(config.critic.enable, config.algorithm.adv_estimator):
-        out["critic"] = {"train": (_pool_ranks(get, "critic"), 1, 1)}
+        critic = engine_layout(config.critic.strategy, config.critic, _pool_ranks(get, "critic"))
+        out["critic"] = {"train": (critic.dp, critic.tp, critic.pp)}
     if config.reward_model.enable:
         out["reward"] = {"infer": (_pool_ranks(get, "reward"), 1, 1)}
     return out

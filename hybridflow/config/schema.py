@@ -55,6 +55,14 @@ class ModelConfig:
 
 
 @dataclass
+class MegatronConfig:
+    # strategy=megatron (Megatron-core; pip install -e ".[megatron]"): tp x pp must divide the role's ranks, dp =
+    # ranks / (tp * pp). The actor and its reference share one process, so they share one (tp, pp)
+    tensor_model_parallel_size: int = 1  # Megatron tensor parallel size (heads, MLP and vocabulary split)
+    pipeline_model_parallel_size: int = 1  # Megatron pipeline stages (layers split evenly; 1F1B schedule)
+
+
+@dataclass
 class ActorConfig:
     strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training): fsdp2 (FSDP2 + DTensor tp)
     ppo_mini_batch_size: int = 16  # prompts per optimizer step (multiplied by rollout.n, as in verl)
@@ -86,6 +94,7 @@ class ActorConfig:
     grad_clip: float = 1.0  # max global grad norm
     # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
     tensor_model_parallel_size: int = 1
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of strategy=megatron
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -139,6 +148,7 @@ class RolloutConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward for reference logprobs
     log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per reference forward
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron: = actor.megatron
 
 
 @dataclass
@@ -166,6 +176,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     grad_clip: float = 1.0
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of critic.strategy=megatron
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

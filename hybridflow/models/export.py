@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from hybridflow.models.lora import is_lora_checkpoint
 from hybridflow.models.lora_export import merged_state_dict, save_adapter
+from hybridflow.models.megatron_export import is_megatron_checkpoint, megatron_state_dict
 
 HF_SUBDIR = "hf"
 
@@ -33,6 +34,8 @@ def load_actor_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
     """The full (unsharded) actor weights of a checkpoint, by HF parameter name (read with
     ``weights_only=True``: tensors and plain containers only, no code runs)."""
     actor = _actor_dir(checkpoint_dir)
+    if is_megatron_checkpoint(actor):  # strategy=megatron: per-rank Megatron tensors
+        return megatron_state_dict(actor, os.path.join(actor, HF_SUBDIR))
     with tempfile.TemporaryDirectory() as tmp:
         target = os.path.join(tmp, "full.pt")
         dcp_to_torch_save(actor, target)

@@ -12,8 +12,9 @@ Lifecycle (every rank of the group calls these together, in the same order: most
    role's seed is set: load the model named by ``spec.model``, lay it out on ``spec.layout``, build the optimizer
    and lr schedule when ``spec.optim`` is given (else the model is frozen). If ``spec.param_offload`` /
    ``spec.optimizer_offload`` are set, the engine starts onloaded; the worker decides when to :meth:`offload`.
-2. Per training step, for each mini-batch: :meth:`zero_grad`, then :meth:`forward_backward` once per micro-batch
-   (gradients accumulate), then :meth:`optimizer_step` (grad clipping + the non-finite guard). After the last
+2. Per training step, for each mini-batch: :meth:`zero_grad`, then :meth:`forward_backward_micro_batches` with all
+   its micro-batches (by default :meth:`forward_backward` once per micro-batch, gradients accumulating; a
+   pipeline engine runs its schedule over them), then :meth:`optimizer_step` (grad clipping + the non-finite guard). After the last
    mini-batch of the step, :meth:`lr_scheduler_step` once. The shared loop is
    :func:`hybridflow.training.update.update_mini_batches`.
 3. :meth:`forward` any time for inference on one micro-batch (old/ref logprobs, values, scores), under
@@ -199,6 +200,17 @@ class TrainEngine(abc.ABC):
             loss = loss_fn(self.forward(micro, sampling=sampling, entropy=entropy))
             loss.backward()
         return loss.detach()
+
+    def forward_backward_micro_batches(self, micros: list[DataProto],
+                                       loss_fns: list[Callable[[dict[str, torch.Tensor]], torch.Tensor]], *,
+                                       sampling: Optional[SamplingSpec] = None,
+                                       entropy: bool = False) -> list[torch.Tensor]:
+        """Every micro-batch of one mini-batch at once (``loss_fns[i]`` for ``micros[i]``), gradients accumulated
+        as by :meth:`forward_backward` on each in order (the default does exactly that). A pipeline-parallel
+        engine overrides it to run its micro-batch schedule (``megatron``: 1F1B over the stages). Returns the
+        detached losses."""
+        return [self.forward_backward(micro, fn, sampling=sampling, entropy=entropy)
+                for micro, fn in zip(micros, loss_fns)]
 
     @abc.abstractmethod
     def zero_grad(self) -> None:

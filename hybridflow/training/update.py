@@ -2,8 +2,8 @@
 
 For each mini-batch of ``epochs`` passes over this rank's data (optionally shuffled): the loss normalisers of the
 mini-batch (:func:`hybridflow.training.micro.global_agg_kwargs`, totals over all dp ranks), gradients accumulated
-over its micro-batches (:meth:`TrainEngine.forward_backward`), then one optimizer step with grad clipping and the
-non-finite guard (:meth:`TrainEngine.optimizer_step`). Per-micro-batch statistics are summed within a mini-batch,
+over its micro-batches (:meth:`TrainEngine.forward_backward_micro_batches`, all of them in one call), then one
+optimizer step with grad clipping and the non-finite guard (:meth:`TrainEngine.optimizer_step`). Per-micro-batch statistics are summed within a mini-batch,
 averaged over mini-batches, then over dp ranks. Why the applied gradient does not depend on the micro-batch split:
 see :mod:`hybridflow.training.micro`.
 """
@@ -61,14 +61,15 @@ def update_mini_batches(engine: TrainEngine, data: DataProto, loss: MicroLoss,
         agg = agg_kwargs(mini)
         engine.zero_grad()
         stats: dict[str, float] = {}
-        for micro, dummy in iter_micro_batches(mini, micro_batch_size, max_token_len):
-            if dummy:  # keeps this rank's collectives in step with ranks that have more micro-batches
-                engine.forward_backward(micro, lambda outputs, m=micro: loss(m, outputs, agg, {}) * 0.0,
-                                        sampling=sampling, entropy=entropy)
-                continue
-            engine.forward_backward(micro, lambda outputs, m=micro: loss(m, outputs, agg, stats),
-                                    sampling=sampling, entropy=entropy)
-            add_token_counts(stats, prefix, micro, engine.spec.remove_padding)
+        micros = list(iter_micro_batches(mini, micro_batch_size, max_token_len))
+        # a dummy keeps this rank's collectives in step with ranks that have more micro-batches (loss times 0)
+        fns = [(lambda outputs, m=micro: loss(m, outputs, agg, {}) * 0.0) if dummy else
+               (lambda outputs, m=micro: loss(m, outputs, agg, stats)) for micro, dummy in micros]
+        engine.forward_backward_micro_batches([micro for micro, _ in micros], fns, sampling=sampling,
+                                              entropy=entropy)
+        for micro, dummy in micros:
+            if not dummy:
+                add_token_counts(stats, prefix, micro, engine.spec.remove_padding)
         grad_norm, _ = engine.optimizer_step()
         stats[f"{prefix}/grad_norm"] = grad_norm
         for key, value in stats.items():

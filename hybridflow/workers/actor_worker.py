@@ -47,6 +47,7 @@ from hybridflow.models import lora_sync
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engine
+from hybridflow.config.megatron_checks import engine_layout
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.inputs import ActorInputs, expect, expect_section
@@ -137,11 +138,11 @@ class ActorRolloutRefWorker(Worker):
         cfg, inputs = self.config, self.inputs
         torch.manual_seed(inputs.seed)
         self.device = self.device_name
-        tp = cfg.actor.tensor_model_parallel_size
-        self.dp_size = self.world_size // tp
-        layout = ParallelLayout(dp=self.dp_size, tp=tp)
-        dp_rank, tp_rank = divmod(self.rank, tp)
-        self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0)
+        # dp x tp (fsdp2: actor.tensor_model_parallel_size) or dp x tp x pp (megatron: actor.megatron.*)
+        layout = engine_layout(cfg.actor.strategy, cfg.actor, self.world_size, cfg.actor.tensor_model_parallel_size)
+        self.dp_size = layout.dp
+        dp_rank, tp_rank, pp_rank = layout.coords(self.rank)
+        self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0 and pp_rank == 0)
         dtype = resolve_dtype(cfg.model.dtype, self.device)  # the rollout's copy (engines pick their training dtypes)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)
@@ -175,7 +176,9 @@ class ActorRolloutRefWorker(Worker):
         rollout_cls = get_rollout_class(cfg.rollout.name)
         rollout_module = None
         # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
-        use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora
+        # strategy=megatron: the hf rollout keeps its own copy refreshed from the gathered weights (iter_weights)
+        # until the 3D-HybridEngine reshards from a tp x pp layout (issue 16 item 3)
+        use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora and cfg.actor.strategy != "megatron"
         if rollout_cls.needs_module and not use_engine:
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             if self.inputs.rollout_lora_adapters:  # base + adapters, refreshed by A and B only

@@ -10,6 +10,7 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
 from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
+from hybridflow.config.megatron_checks import engine_layout
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
@@ -51,11 +52,13 @@ class CriticWorker(Worker):
         init_distributed()
         cfg, inputs = self.config, self.inputs
         torch.manual_seed(inputs.seed + 1)
-        self._register_dispatch_collect_info("critic", dp_rank=self.rank, is_collect=True)
+        self.layout = engine_layout(cfg.strategy, cfg, self.world_size)  # dp only (fsdp2) or megatron's dp x tp x pp
+        dp_rank, tp_rank, pp_rank = self.layout.coords(self.rank)
+        self._register_dispatch_collect_info("critic", dp_rank=dp_rank, is_collect=tp_rank == 0 and pp_rank == 0)
         model_cfg = inputs.model
         fsdp = cfg.fsdp_config
         engine = get_engine_class(cfg.strategy).build(EngineSpec(
-            kind="value", model=model_cfg, layout=ParallelLayout(dp=self.world_size), device=self.device_name,
+            kind="value", model=model_cfg, layout=self.layout, device=self.device_name,
             optim=cfg.optim, total_steps=inputs.total_training_steps, grad_clip=cfg.grad_clip,
             nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
             optimizer_offload=fsdp.optimizer_offload, role="critic",
@@ -79,7 +82,7 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """One clipped value-loss update; returns ``meta_info["metrics"]``."""
         cfg = self.config
-        mini = cfg.ppo_mini_batch_size * self.inputs.rollout_n // self.world_size
+        mini = cfg.ppo_mini_batch_size * self.inputs.rollout_n // self.layout.dp
         step = int(data.meta_info.get("global_step", 0))
         with self.critic.engine.on_device(optimizer=True):
             metrics = self.critic.update_critic(data, mini, seed=self.inputs.seed + step)

@@ -47,7 +47,7 @@ def test_unknown_strategy_fails_at_load_listing_engines(key):
 def test_registry_lookup_and_type_check():
     assert get_engine_class("fsdp2") is FSDP2Engine
     with pytest.raises(UnknownNameError, match="known: .*fsdp2"):
-        get_engine_class("megatron")
+        get_engine_class("deepspeed")
     with pytest.raises(TypeError):
         register_engine("not_an_engine")(object)
     assert "not_an_engine" not in ENGINES

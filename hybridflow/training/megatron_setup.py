@@ -1,0 +1,167 @@
+"""Build and checkpoint helpers of the ``megatron`` engine (:mod:`hybridflow.training.megatron`): parallel state on
+the worker group's ``torch.distributed`` world, the stage's ``GPTModel`` loaded from the HF checkpoint, Megatron
+DDP + distributed optimizer, the lr schedule, and the per-rank checkpoint state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.training.base import EngineSpec, ParallelLayout
+from hybridflow.training.megatron_cpu import cpu_adapter
+
+__all__ = ["build_megatron_model", "checkpoint_state", "restore_state", "stage_of"]
+
+MEGATRON_INSTALL = 'strategy megatron needs megatron-core: pip install -e ".[megatron]"'
+
+
+def stage_of(layout: ParallelLayout) -> int:
+    """This rank's pipeline stage."""
+    return layout.coords(dist.get_rank())[2]
+
+
+def init_parallel_state(layout: ParallelLayout, seed: int, device: str) -> None:
+    """Megatron's tp/pp/dp groups over the existing world (rank order tp, dp, pp: :class:`ParallelLayout`), and
+    its model-parallel RNG tracker seeded with ``seed`` (the torch RNG state is kept). Reuses a state already set
+    with the same sizes.
+
+    Raises:
+        ImportError: megatron-core is not installed.
+        ValueError: the world is not ``layout.world`` ranks, or another (tp, pp) is already set in this process.
+    """
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    except ImportError as err:
+        raise ImportError(MEGATRON_INSTALL) from err
+    world = dist.get_world_size()
+    if world != layout.world:
+        raise ValueError(f"megatron layout {layout} needs {layout.world} ranks, the worker group has {world}")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (layout.tp, layout.pp):
+            raise ValueError(f"megatron parallel state is set to (tp, pp)={have} in this process; all megatron "
+                             f"engines of one worker share it, got (tp, pp)=({layout.tp}, {layout.pp})")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 order="tp-cp-ep-dp-pp")
+    state = torch.get_rng_state()
+    with cpu_adapter(device):
+        model_parallel_cuda_manual_seed(seed)
+    torch.set_rng_state(state)
+
+
+def _hf_state(spec: EngineSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``(HF module moved to the meta device, full HF state dict on CPU)`` of ``spec.model``: the module keeps
+    ``config`` and ``generation_config`` (the engine's ``module``, e.g. for checkpoints' ``hf/``) but no data."""
+    from hybridflow.models import hf
+
+    load = hf.load_causal_lm if spec.kind == "policy" else hf.load_value_model
+    module = load(spec.model.path, dtype, spec.model.trust_remote_code)
+    state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return module.to("meta"), state
+
+
+def _optimizer(spec: EngineSpec, gpt: torch.nn.Module, dtype: torch.dtype) -> tuple[Any, Any, list]:
+    """``(DDP model, distributed optimizer, lr schedulers)``: AdamW (weight decay on every parameter, as the
+    fsdp2 engine's), grads reduced in fp32, clipping done by :meth:`MegatronEngine.optimizer_step`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from hybridflow.training.optim import build_lr_scheduler
+
+    optim = spec.optim
+    ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False), gpt)
+    gpt.config.finalize_model_grads_func = finalize_model_grads
+    gpt.config.no_sync_func = ddp.no_sync
+    config = OptimizerConfig(optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                             adam_beta1=float(optim.betas[0]), adam_beta2=float(optim.betas[1]),
+                             clip_grad=0.0, use_distributed_optimizer=True, params_dtype=dtype,
+                             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    optimizer = get_megatron_optimizer(config, [ddp], config_overrides={})
+    inner = [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+    schedulers = [build_lr_scheduler(opt, optim, spec.total_steps) for opt in inner]
+    return ddp, optimizer, schedulers
+
+
+def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
+    """Everything :class:`MegatronEngine` holds for ``spec`` on this rank (``gpt``, ``model``, ``hf_config``,
+    ``hf_module`` (meta device), ``params``, ``optimizer``, ``lr_scheduler``).
+
+    Raises:
+        ImportError / ValueError: see :func:`init_parallel_state`; ``ValueError`` for a score model, LoRA, or host
+            offload on GPU (not implemented for this engine).
+    """
+    from hybridflow.distributed.precision import training_dtypes
+    from hybridflow.models.megatron_convert import hf_params
+    from hybridflow.models.megatron_model import build_gpt_model, load_local_state, local_state_from_hf
+
+    if spec.kind == "score" or spec.lora:
+        raise ValueError(f"strategy megatron does not run {'LoRA' if spec.lora else 'score models'} "
+                         f"({spec.role}); use strategy fsdp2")
+    if (spec.param_offload or spec.optimizer_offload) and spec.device != "cpu":
+        raise ValueError(f"strategy megatron does not offload to host memory yet ({spec.role}); set "
+                         "fsdp_config.param_offload/optimizer_offload to false")
+    layout = spec.layout
+    init_parallel_state(layout, torch.initial_seed() % (2**31), spec.device)
+    dtype, _ = training_dtypes(spec.model.dtype, spec.device, probe=lambda: False)
+    hf_module, hf_state = _hf_state(spec, dtype)
+    hf_config = hf_module.config
+    _, tp_rank, pp_rank = layout.coords(dist.get_rank())
+    with cpu_adapter(spec.device):
+        gpt = build_gpt_model(hf_config, spec.kind, tp=layout.tp, pp=layout.pp, pp_rank=pp_rank, dtype=dtype,
+                              device=spec.device)
+        load_local_state(gpt, local_state_from_hf(hf_state, hf_config, spec.kind, tp=layout.tp, tp_rank=tp_rank,
+                                                  pp=layout.pp, pp_rank=pp_rank))
+        del hf_state
+        parts: dict[str, Any] = {"gpt": gpt, "model": gpt, "hf_config": hf_config, "hf_module": hf_module,
+                                 "params": hf_params(hf_config, spec.kind, layout.pp)}
+        if spec.optim is None:
+            gpt.requires_grad_(False)
+        else:
+            parts["model"], parts["optimizer"], parts["lr_scheduler"] = _optimizer(spec, gpt, dtype)
+    return parts
+
+
+def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's checkpoint: local model parameters, the inner optimizers' states (this rank's dp shard of the
+    distributed optimizer), lr schedules, RNG (torch + Megatron's tracker), ``skipped_steps`` and ``extra``."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from hybridflow.distributed.checkpoint import rng_state
+
+    state = {"model": {k: v.detach().clone() for k, v in engine.gpt.named_parameters()},
+             "rng": rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
+             "skipped_steps": engine.skipped_steps, "extra": dict(extra or {}),
+             # what hybridflow.models.megatron_export needs to rebuild HF tensors offline
+             "layout": (engine.layout.dp, engine.layout.tp, engine.layout.pp), "kind": engine.spec.kind}
+    if engine.optimizer is not None:
+        opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        state["optim"] = [opt.optimizer.state_dict() for opt in opts]
+        state["lr_scheduler"] = [s.state_dict() for s in engine.lr_scheduler]
+    return state
+
+
+def restore_state(engine: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of :func:`checkpoint_state` (same layout); returns ``extra``."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from hybridflow.distributed.checkpoint import set_rng_state
+    from hybridflow.models.megatron_model import load_local_state
+
+    load_local_state(engine.gpt, state["model"])
+    if engine.optimizer is not None:
+        opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        for opt, saved in zip(opts, state["optim"]):
+            opt.optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(engine.lr_scheduler, state["lr_scheduler"]):
+            scheduler.load_state_dict(saved)
+    set_rng_state(state["rng"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    return state["extra"]

@@ -1,0 +1,53 @@
+"""The ``*.megatron`` keys (strategy=megatron): defaults, load-time checks with one line each, the layout the
+workers build, and the engine registration (no megatron-core needed for any of these)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.config import load_config
+from hybridflow.config.loader import ConfigError
+from hybridflow.config.megatron_checks import engine_layout
+from hybridflow.training import ParallelLayout, get_engine_class
+
+RECIPE = "recipes/megatron_quickstart.yaml"
+
+
+def test_recipe_loads_with_pipeline_stages_for_actor_and_critic() -> None:
+    cfg = load_config(RECIPE, [])
+    assert cfg.actor_rollout_ref.actor.strategy == cfg.critic.strategy == "megatron"
+    assert cfg.actor_rollout_ref.actor.megatron.pipeline_model_parallel_size == 2
+    assert engine_layout("megatron", cfg.critic, 2) == ParallelLayout(dp=1, tp=1, pp=2)
+    assert engine_layout("fsdp2", cfg.critic, 2, fsdp_tp=2) == ParallelLayout(dp=1, tp=2, pp=1)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
+     "tensor_model_parallel_size * pipeline_model_parallel_size = 1 * 3 must divide the role's 2 ranks"),
+    (["critic.strategy=fsdp2"], "critic.megatron (tp 1, pp 2) is read only with strategy=megatron"),
+    (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
+     "must equal actor_rollout_ref.actor.megatron (1, 2)"),
+    (["actor_rollout_ref.actor.tensor_model_parallel_size=2"], "with strategy=megatron set"),
+    (["critic.megatron.tensor_model_parallel_size=0"], "must be >= 1"),
+])
+def test_bad_megatron_layouts_fail_at_load_with_one_line(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(RECIPE, overrides)
+    assert message in str(err.value)
+
+
+def test_missing_megatron_core_is_one_line_naming_the_extra(monkeypatch) -> None:
+    from hybridflow.config import megatron_checks
+
+    monkeypatch.setattr(megatron_checks, "_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r'pip install -e "\.\[megatron\]"'):
+        load_config(RECIPE, [])
+
+
+def test_defaults_are_one_stage_and_registered() -> None:
+    cfg = load_config("quickstart", [])
+    for section in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic):
+        assert OmegaConf.to_container(section.megatron) == {"tensor_model_parallel_size": 1,
+                                                             "pipeline_model_parallel_size": 1}
+    assert get_engine_class("megatron").__name__ == "MegatronEngine"
