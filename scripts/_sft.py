@@ -8,6 +8,7 @@ that moves here must keep its own draws in its ``next_examples`` callback, in it
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -126,3 +127,14 @@ def loss_tail_mean(losses: list[float], last: int = 50) -> float:
     """The mean of the last ``last`` losses (NaN without any)."""
     tail = losses[-last:] or [float("nan")]
     return sum(tail) / len(tail)
+
+
+def base_parser(description: str, *, steps: int, batch_size: int) -> argparse.ArgumentParser:
+    """The command line both build scripts start with: ``--out`` (required), ``--steps``, ``--batch-size`` and
+    ``--lr`` (peak AdamW learning rate, default 3e-3) with their defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--steps", type=int, default=steps, help="SFT steps")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    return parser

@@ -28,7 +28,6 @@ The run is deterministic for a fixed seed and thread count (float reductions dep
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -41,8 +40,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
-from _sft import (BOS, EOS, PAD, build_model, loss_tail_mean, save, sft_loop, warmup_cosine,  # noqa: E402
-                  wrap_tokenizer)
+from _sft import (BOS, EOS, PAD, base_parser, build_model, loss_tail_mean, save, sft_loop,  # noqa: E402
+                  warmup_cosine, wrap_tokenizer)
 from hybridflow.data.builtin_task import DATA_SOURCE, ArithProblem, make_builtin_problems  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -181,11 +180,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=1500, help="SFT steps")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    parser = base_parser(__doc__.splitlines()[0], steps=1500, batch_size=64)
     parser.add_argument("--correct-fraction", type=float, default=0.35,
                         help="share of SFT responses that are the full correct solution")
     parser.add_argument("--seed", type=int, default=0)

@@ -38,7 +38,6 @@ The run is deterministic for a fixed seed and thread count (float reductions dep
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -54,8 +53,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
-from _sft import (BOS, EOS, PAD, build_model, loss_tail_mean, save, sft_loop, warmup_cosine,  # noqa: E402
-                  wrap_tokenizer)
+from _sft import (BOS, EOS, PAD, base_parser, build_model, loss_tail_mean, save, sft_loop,  # noqa: E402
+                  warmup_cosine, wrap_tokenizer)
 from hybridflow.data.tool_task import DATA_SOURCE, TOOL_NAME, ToolProblem, make_tool_problems, tool_call_text  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -280,11 +279,7 @@ def gsm8k_answer(text: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=500, help="SFT steps")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    parser = base_parser(__doc__.splitlines()[0], steps=500, batch_size=16)
     parser.add_argument("--tool-fraction", type=float, default=0.3,
                         help="share of SFT responses that call the calculator")
     parser.add_argument("--seed", type=int, default=0)
