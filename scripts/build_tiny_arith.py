@@ -28,25 +28,25 @@ The run is deterministic for a fixed seed and thread count (float reductions dep
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import math
 import random
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hybridflow.data.builtin_task import DATA_SOURCE, ArithProblem, make_builtin_problems
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
+from _sft import (BOS, EOS, PAD, base_parser, build_model, loss_tail_mean, save, sft_loop,  # noqa: E402
+                  warmup_cosine, wrap_tokenizer)
+from hybridflow.data.builtin_task import DATA_SOURCE, ArithProblem, make_builtin_problems  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 TOKENIZER_VOCAB_SIZE = 512
-MAX_POSITIONS = 256
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}{{ message['content'] + '\\n' }}"
@@ -89,43 +89,7 @@ def build_tokenizer(problems: list[ArithProblem], vocab_size: int = TOKENIZER_VO
         corpus.append(f"Question: {p.question}\nAnswer: {p.solution}\n")
         corpus.append(f"Answer: {p.shortcut_solution}\n")
     bpe.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=MAX_POSITIONS,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised fp32 Llama sized for the task (about 0.9M parameters)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64 * math.ceil(len(tokenizer) / 64),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=MAX_POSITIONS,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return model
+    return wrap_tokenizer(bpe, CHAT_TEMPLATE)
 
 
 def _encode(tokenizer, problem: ArithProblem):
@@ -140,22 +104,12 @@ def _encode(tokenizer, problem: ArithProblem):
     )
 
 
-def _make_batch(examples, use_full, pad_id):
-    """Right-padded (B, L) input ids, attention mask, and labels (-100 outside the response)."""
-    seqs, labels = [], []
-    for (prompt, full_ids, short_ids), full in zip(examples, use_full):
-        response = full_ids if full else short_ids
-        seqs.append(prompt + response)
-        labels.append([-100] * len(prompt) + response)
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    label_ids = torch.full((len(seqs), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, (seq, lab) in enumerate(zip(seqs, labels)):
-        input_ids[row, : len(seq)] = torch.tensor(seq)
-        label_ids[row, : len(lab)] = torch.tensor(lab)
-        mask[row, : len(seq)] = 1
-    return input_ids, mask, label_ids
+def _example(encoded: tuple, full: bool) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of one SFT example: the prompt then the full or the shortcut response, labels on the
+    response only."""
+    prompt, full_ids, short_ids = encoded
+    response = full_ids if full else short_ids
+    return prompt + response, [-100] * len(prompt) + response
 
 
 def sft_train(
@@ -175,46 +129,17 @@ def sft_train(
     """
     rng = random.Random(seed)
     encoded: dict[int, tuple] = {}  # problem index -> _encode(...), filled on first use
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
 
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model.train()
-    losses = []
-    for step in range(steps):
+    def next_examples() -> list[tuple[list[int], list[int]]]:
         indices = [rng.randrange(len(problems)) for _ in range(batch_size)]
         use_full = [rng.random() < correct_fraction for _ in range(batch_size)]
         for i in indices:
             if i not in encoded:
                 encoded[i] = _encode(tokenizer, problems[i])
-        examples = [encoded[i] for i in indices]
-        input_ids, mask, labels = _make_batch(examples, use_full, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 200 == 0 or step == steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step, steps, loss.item())
-    model.eval()
-    return losses
+        return [_example(encoded[i], full) for i, full in zip(indices, use_full)]
 
-
-def _portable_tokenizer_class(out: Path) -> None:
-    """Name the tokenizer class ``PreTrainedTokenizerFast`` (transformers 5 writes its alias
-    ``TokenizersBackend``, which transformers 4.x -- e.g. in a vLLM image -- cannot resolve)."""
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    return sft_loop(model, next_examples, tokenizer.pad_token_id, steps=steps, lr=lr,
+                    lr_factor=warmup_cosine(steps, divide_first=True), log_every=200)
 
 
 def build(
@@ -236,11 +161,7 @@ def build(
         model, tokenizer, problems, steps=steps, batch_size=batch_size, lr=lr,
         correct_fraction=correct_fraction, seed=seed,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _portable_tokenizer_class(out)
-    tail = losses[-50:] or [float("nan")]
+    save(model, tokenizer, out)
     info = {
         "task": DATA_SOURCE,
         "seed": seed,
@@ -250,7 +171,7 @@ def build(
         "correct_fraction": correct_fraction,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "tokenizer_vocab": len(tokenizer),
-        "final_loss_mean_last_50": sum(tail) / len(tail),
+        "final_loss_mean_last_50": loss_tail_mean(losses),
         "build_seconds": round(time.perf_counter() - start, 1),
         "torch_threads": torch.get_num_threads(),
     }
@@ -259,11 +180,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=1500, help="SFT steps")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    parser = base_parser(__doc__.splitlines()[0], steps=1500, batch_size=64)
     parser.add_argument("--correct-fraction", type=float, default=0.35,
                         help="share of SFT responses that are the full correct solution")
     parser.add_argument("--seed", type=int, default=0)

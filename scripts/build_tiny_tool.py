@@ -38,7 +38,6 @@ The run is deterministic for a fixed seed and thread count (float reductions dep
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -50,17 +49,18 @@ from pathlib import Path
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
+from _sft import (BOS, EOS, PAD, base_parser, build_model, loss_tail_mean, save, sft_loop,  # noqa: E402
+                  warmup_cosine, wrap_tokenizer)
 from hybridflow.data.tool_task import DATA_SOURCE, TOOL_NAME, ToolProblem, make_tool_problems, tool_call_text  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 TOKENIZER_VOCAB_SIZE = 512
-MAX_POSITIONS = 256
 # The schema the SFT prompts carry (only its name is rendered); the calculator tool's own schema renders the same.
 CALCULATOR_SCHEMA = {
     "type": "function",
@@ -163,40 +163,7 @@ def build_tokenizer(problems: list[ToolProblem], vocab_size: int = TOKENIZER_VOC
         corpus.append(f" {tool_call_text(p.expression)}<tool_response>{p.answer}</tool_response>\nAnswer: #### ")
     bpe.train_from_iterator(corpus, trainer=trainer)
     bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                        model_max_length=MAX_POSITIONS)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised fp32 Llama (about 0.85M parameters)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64 * math.ceil(len(tokenizer) / 64), hidden_size=128, intermediate_size=384,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    return model
-
-
-def _make_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
-    """Right-padded (B, L) input ids, attention mask and labels (-100 on padding)."""
-    width = max(len(ids) for ids, _ in examples)
-    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    label_ids = torch.full((len(examples), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for row, (ids, labels) in enumerate(examples):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        label_ids[row, : len(labels)] = torch.tensor(labels)
-        mask[row, : len(ids)] = 1
-    return input_ids, mask, label_ids
+    return wrap_tokenizer(bpe, CHAT_TEMPLATE)
 
 
 def sft_train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[ToolProblem], *,
@@ -208,42 +175,14 @@ def sft_train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, probl
     AdamW, linear warmup (5% of steps) then cosine decay to 10% of ``lr``. Returns the loss per step.
     """
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
 
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    def next_examples() -> list[tuple[list[int], list[int]]]:
+        return [encode(tokenizer, problems[rng.randrange(len(problems))],
+                       *draw_example(rng, tool_fraction, call_fraction or tool_fraction))
+                for _ in range(batch_size)]
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model.train()
-    losses = []
-    for step in range(steps):
-        examples = [encode(tokenizer, problems[rng.randrange(len(problems))],
-                           *draw_example(rng, tool_fraction, call_fraction or tool_fraction))
-                    for _ in range(batch_size)]
-        input_ids, mask, labels = _make_batch(examples, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step, steps, loss.item())
-    model.eval()
-    return losses
-
-
-def _portable_tokenizer_class(out: Path) -> None:
-    """Name the tokenizer class ``PreTrainedTokenizerFast`` (transformers 5 writes ``TokenizersBackend``, which
-    transformers 4.x -- e.g. in a vLLM image -- cannot resolve)."""
-    path = out / "tokenizer_config.json"
-    config = json.loads(path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    path.write_text(json.dumps(config, indent=2) + "\n")
+    return sft_loop(model, next_examples, tokenizer.pad_token_id, steps=steps, lr=lr,
+                    lr_factor=warmup_cosine(steps, divide_first=False), log_every=50)
 
 
 def build(out: Path, *, steps: int, batch_size: int = 16, lr: float = 3e-3, tool_fraction: float = 0.3,
@@ -262,16 +201,12 @@ def build(out: Path, *, steps: int, batch_size: int = 16, lr: float = 3e-3, tool
         model = LlamaForCausalLM.from_pretrained(init_from)
     losses = sft_train(model, tokenizer, problems, steps=steps, batch_size=batch_size, lr=lr,
                        tool_fraction=tool_fraction, seed=seed, call_fraction=call_fraction)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _portable_tokenizer_class(out)
-    tail = losses[-50:] or [float("nan")]
+    save(model, tokenizer, out)
     info = {
         "task": DATA_SOURCE, "seed": seed, "sft_steps": steps, "batch_size": batch_size, "lr": lr,
         "tool_fraction": tool_fraction, "call_fraction": call_fraction or tool_fraction,
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "tokenizer_vocab": len(tokenizer), "final_loss_mean_last_50": sum(tail) / len(tail),
+        "tokenizer_vocab": len(tokenizer), "final_loss_mean_last_50": loss_tail_mean(losses),
         "build_seconds": round(time.perf_counter() - start, 1), "torch_threads": torch.get_num_threads(),
     }
     if init_from is not None:
@@ -344,11 +279,7 @@ def gsm8k_answer(text: str) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--steps", type=int, default=500, help="SFT steps")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    parser = base_parser(__doc__.splitlines()[0], steps=500, batch_size=16)
     parser.add_argument("--tool-fraction", type=float, default=0.3,
                         help="share of SFT responses that call the calculator")
     parser.add_argument("--seed", type=int, default=0)

@@ -40,3 +40,12 @@ def repo_script():
         return module
 
     return load
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """One 2-step ``hybridflow train quickstart`` in a fresh interpreter (its own Ray), run by the first test that
+    asks for it and read by every other: tests/helpers/quickstart_run.py says what it runs and for whom."""
+    from helpers.quickstart_run import run_quickstart
+
+    return run_quickstart(tmp_path_factory.mktemp("quickstart_run"))

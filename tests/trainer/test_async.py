@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 
+from helpers.ray_procs import role_pids, running
 from hybridflow.config import ConfigError, load_config
 from hybridflow.models.export import load_actor_state_dict
 from hybridflow.trainer.checkpoint import CheckpointManager
@@ -114,16 +114,13 @@ def test_async_needs_its_own_generator_pool():
         load_config("async_grpo_quickstart", ["resource_pool.mapping={actor: trainer, generator: trainer}"])
 
 
-def _pids(role_class):
-    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
-                  if " ".join(p.info["cmdline"] or []).startswith(f"ray::{role_class}"))
-
-
 @pytest.mark.parametrize("role_class,group", [("GeneratorWorker", "generator"), ("ActorRolloutRefWorker", "actor")])
 def test_killed_generator_or_trainer_fails_fast(tmp_path, role_class, group):
     out = tmp_path / "run"
+    # 4 prompts x n=4 a step instead of the recipe's 16 x 4: the steps before the kill only have to run
     cmd = [sys.executable, "-m", "hybridflow", "train", "async_grpo_quickstart", "trainer.total_training_steps=500",
            "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+           "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
            f"trainer.default_local_dir={out}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -132,8 +129,9 @@ def test_killed_generator_or_trainer_fails_fast(tmp_path, role_class, group):
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline, "no training step within 240 s"
             time.sleep(0.5)
-        pids = _pids(role_class)
+        pids = role_pids(proc.pid, role_class)  # this run's, not another's on the machine
         assert len(pids) == 1, pids
+        workers = role_pids(proc.pid, "GeneratorWorker") + role_pids(proc.pid, "ActorRolloutRefWorker")
         os.kill(pids[0], 9)
         killed_at = time.time()
         output, _ = proc.communicate(timeout=60)
@@ -144,7 +142,7 @@ def test_killed_generator_or_trainer_fails_fast(tmp_path, role_class, group):
     assert proc.returncode != 0
     assert elapsed < 60
     assert f"worker group '{group}'" in output and "rank 0" in output, output[-3000:]
-    deadline = time.time() + 30  # the workers exit with the run's Ray (they may lag the driver a little)
-    while (_pids("GeneratorWorker") or _pids("ActorRolloutRefWorker")) and time.time() < deadline:
+    deadline = time.time() + 30  # the run's workers exit with its Ray (they may lag the driver a little)
+    while running(workers) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _pids("GeneratorWorker") and not _pids("ActorRolloutRefWorker")
+    assert not running(workers)

@@ -1,4 +1,5 @@
-"""End to end: a few PPO steps through real Ray worker groups (2 ranks each for actor and critic)."""
+"""End to end: two PPO steps through real Ray worker groups (2 ranks each for actor and critic), and the export of
+their checkpoint."""
 
 import json
 
@@ -6,10 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow.config import load_config
 from hybridflow.cli import main
 from hybridflow.models.export import load_actor_state_dict
-from hybridflow.trainer.main import run_ppo
 
 pytestmark = pytest.mark.slow
 
@@ -19,27 +18,11 @@ def _read_metrics(path):
         return [json.loads(line) for line in f]
 
 
-def test_ppo_steps_through_ray(tmp_path, ray_session):
-    out = tmp_path / "run"
-    cfg = load_config(
-        "quickstart",
-        [
-            "trainer.total_training_steps=2",
-            "trainer.test_freq=2",
-            f"trainer.default_local_dir={out}",
-            "data.train_batch_size=8",
-            "data.builtin_val_size=8",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "critic.ppo_mini_batch_size=4",
-            "critic.ppo_micro_batch_size_per_gpu=2",
-            "trainer.save_freq=2",
-            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-            "actor_rollout_ref.rollout.val_kwargs.n=2",
-            "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-        ],
-    )
-    run_ppo(cfg)
+def test_ppo_steps_through_ray(quickstart_run, tmp_path):
+    """The shared quickstart run (tests/helpers/quickstart_run.py: 8 prompts a step, validation greedy and
+    sampled with n=2 at temperature 1, a checkpoint at step 2), the run this test used to start itself."""
+    assert quickstart_run.returncode == 0, quickstart_run.output[-3000:]
+    out = quickstart_run.run_dir
     rows = _read_metrics(out / "metrics.jsonl")
     train = [r for r in rows if "critic/score/mean" in r]
     assert [r["step"] for r in train] == [1, 2]

@@ -1,4 +1,4 @@
-"""An existing Ray cluster: `ray start --head` on loopback, then `ray job submit` of a 2-step run (the driver
+"""An existing Ray cluster: `ray start --head` on loopback, then `ray job submit` of a 1-step run (the driver
 connects through RAY_ADDRESS instead of starting its own cluster). The test stops the cluster it started."""
 
 import os
@@ -55,7 +55,7 @@ def test_ray_job_submit_to_existing_cluster(tmp_path):
     try:
         out = tmp_path / "run"
         submit = [_ray(), "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),
-                  "--", "hybridflow", "train", "recipes/quickstart.yaml", "trainer.total_training_steps=2",
+                  "--", "hybridflow", "train", "recipes/quickstart.yaml", "trainer.total_training_steps=1",
                   "trainer.test_freq=-1", "trainer.val_before_train=false", "data.train_batch_size=8",
                   "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
                   "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
@@ -70,6 +70,6 @@ def test_ray_job_submit_to_existing_cluster(tmp_path):
         assert "succeeded" in result.stdout.lower()
         assert "Started a local Ray instance" not in result.stdout  # it joined the existing cluster
         lines = (out / "metrics.jsonl").read_text().splitlines()
-        assert len(lines) == 2
+        assert len(lines) == 1  # one step is enough to show the job ran its workers on that cluster
     finally:
         _stop_cluster(temp_dir)

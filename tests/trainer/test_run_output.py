@@ -8,7 +8,6 @@ import pty
 import re
 import signal
 import struct
-import subprocess
 import sys
 import termios
 import threading
@@ -28,15 +27,11 @@ SMALL = ["data.train_batch_size=8", "data.builtin_val_size=8", "actor_rollout_re
          "critic.ppo_micro_batch_size_per_gpu=2"]
 
 
-def test_piped_output_is_plain_lines_naming_each_phase(tmp_path):
-    out = tmp_path / "run"
-    log = tmp_path / "output.txt"
-    cmd = [sys.executable, "-m", "hybridflow", "train", "quickstart", "trainer.total_training_steps=2",
-           "trainer.test_freq=2", "trainer.save_freq=2", *SMALL, f"trainer.default_local_dir={out}"]
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, timeout=900)
-    text = log.read_text()
-    assert proc.returncode == 0, text[-3000:]
+def test_piped_output_is_plain_lines_naming_each_phase(quickstart_run):
+    """The shared quickstart run's output (tests/helpers/quickstart_run.py: ``python -m hybridflow train
+    quickstart`` for 2 steps, validation at 0 and 2, a checkpoint at 2, stdout and stderr piped to a file)."""
+    text = quickstart_run.output
+    assert quickstart_run.returncode == 0, text[-3000:]
     assert "\r" not in text and "\x1b" not in text
     for phase in ("starting worker groups: actor", "worker group actor up", "validation (greedy): 8 prompts",
                   "validation (greedy): 8/8 prompts (100%)", "saving the checkpoint of step 2",

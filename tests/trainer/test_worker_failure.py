@@ -6,30 +6,26 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from helpers.ray_procs import role_pids, running
 from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 
 pytestmark = pytest.mark.slow
 
 
-def _worker_pids(role_class: str) -> list[int]:
-    pids = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if cmd.startswith(f"ray::{role_class}"):
-            pids.append(proc.pid)
-    return sorted(pids)
+# 8 prompts a step instead of the recipe's 32: the steps before the kill only have to make checkpoints
+SMALL = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2"]
 
 
 def test_killed_worker_fails_fast_and_keeps_checkpoint(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybridflow", "train", "quickstart", "trainer.total_training_steps=500",
            "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false",
-           "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}"]
+           "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", *SMALL]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
@@ -37,8 +33,9 @@ def test_killed_worker_fails_fast_and_keeps_checkpoint(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             assert time.time() < deadline, "no checkpoint within 240 s"
             time.sleep(0.5)
-        pids = _worker_pids("ActorRolloutRefWorker")
+        pids = role_pids(proc.pid, "ActorRolloutRefWorker")  # this run's, not another's on the machine
         assert len(pids) == 2, pids
+        workers = pids + role_pids(proc.pid, "CriticWorker")
         os.kill(pids[1], 9)
         killed_at = time.time()
         output, _ = proc.communicate(timeout=60)
@@ -49,11 +46,11 @@ def test_killed_worker_fails_fast_and_keeps_checkpoint(tmp_path):
     assert proc.returncode != 0
     assert elapsed < 60
     assert "worker group 'actor'" in output and "rank" in output, output[-3000:]
-    # Ray was shut down: its worker processes exit within seconds (they may lag the driver's exit a little)
+    # Ray was shut down: the run's worker processes exit within seconds (they may lag the driver's exit a little)
     deadline = time.time() + 30
-    while (_worker_pids("ActorRolloutRefWorker") or _worker_pids("CriticWorker")) and time.time() < deadline:
+    while running(workers) and time.time() < deadline:
         time.sleep(0.5)
-    assert not _worker_pids("ActorRolloutRefWorker") and not _worker_pids("CriticWorker")
+    assert not running(workers)
     # the newest complete checkpoint is intact and loadable
     latest = CheckpointManager(str(out)).resolve("auto")
     step = load_trainer_state(latest)["global_step"]

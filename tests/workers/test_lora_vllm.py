@@ -9,59 +9,27 @@ turned into a no-op (``VLLMRollout.load_weights`` doing nothing) fails the next 
 """
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("peft")
 pytest.importorskip("vllm")
 
-from hybridflow.config import load_config  # noqa: E402
+from helpers.gloo import spawn_ranks  # noqa: E402
+from helpers.lora_ranks import P, R, WORLD, lora_config, response_batch, train_batch  # noqa: E402
+from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-B, P, R, WORLD = 4, 6, 6, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _config(sync: str):
-    return load_config(None, [
-        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.dtype=float32",
-        "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-        f"actor_rollout_ref.rollout.lora_sync={sync}", "actor_rollout_ref.rollout.do_sample=false",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-        "actor_rollout_ref.actor.optim.lr=0.05", f"data.max_prompt_length={P}", f"data.max_response_length={R}",
-    ])
-
-
-def _prompts() -> DataProto:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 40, (B, P), generator=g)
-    mask = torch.ones(B, P, dtype=torch.long)
-    mask[0, :2] = 0  # one left-padded row
-    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
-                                        "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)})
-
-
-def _batch(gen: DataProto) -> DataProto:
-    return DataProto.from_dict(tensors={k: gen.batch[k] for k in (
-        "input_ids", "attention_mask", "position_ids", "responses", "response_mask")})
+    return lora_config(sync, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.dtype=float32")
 
 
 def _train(worker, gen: DataProto, step: int) -> None:
-    batch = _batch(gen)
-    batch.union(worker.compute_log_prob(batch))
-    batch.batch["advantages"] = torch.linspace(-1, 1, B)[:, None].expand(B, R).clone() * 5
-    batch.meta_info["global_step"] = step
-    worker.update_actor(batch)
+    worker.update_actor(train_batch(worker, gen, step))
 
 
 def _state(worker) -> tuple[dict, dict, torch.Tensor]:
@@ -77,9 +45,7 @@ def _state(worker) -> tuple[dict, dict, torch.Tensor]:
     return payload, merged, probe
 
 
-def _rank(rank: int, port: int, sync: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _rank(rank: int, sync: str, out: str) -> None:
     from hybridflow.models import lora_sync
     from hybridflow.rollout.vllm_rollout import VLLMRollout
     from hybridflow.workers.actor_worker import ActorRolloutRefWorker
@@ -98,7 +64,7 @@ def _rank(rank: int, port: int, sync: str, out: str) -> None:
     res["sync"] = gen1.meta_info.get("sync_metrics")
     res["engine_probe1"] = lora_sync.rollout_probe(worker.rollout, vocab)
     res["payload1"], res["merged1"], res["trainer_probe1"] = _state(worker)
-    res["trainer_lp1"] = worker.compute_log_prob(_batch(gen1)).batch["old_log_probs"]
+    res["trainer_lp1"] = worker.compute_log_prob(response_batch(gen1)).batch["old_log_probs"]
     res["gen1"] = {k: gen1.batch[k] for k in ("responses", "rollout_log_probs", "response_mask")}
     # a sync that delivers nothing: the next generation after an update must fail
     _train(worker, gen1, step=1)
@@ -110,7 +76,6 @@ def _rank(rank: int, port: int, sync: str, out: str) -> None:
     worker.rollout.close()
     if rank == 0:
         torch.save(res, os.path.join(out, "rank0.pt"))
-    torch.distributed.destroy_process_group()
 
 
 def _hf_greedy(merged: dict) -> DataProto:
@@ -132,7 +97,7 @@ def _hf_greedy(merged: dict) -> DataProto:
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_lora_vllm_sync_verified_and_equal_to_hf(tmp_path, sync):
-    mp.spawn(_rank, args=(_free_port(), sync, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, sync, str(tmp_path), world=WORLD, init_group=False)
     res = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert res["engine_lora"] == (sync == "adapter")  # the engine holds a LoRA adapter only for adapter sync
     # the payload: adapters only (peft names) or the base model's names; it changed with the update

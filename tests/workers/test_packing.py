@@ -7,15 +7,11 @@ the same padded forwards and greedy generations. Two gloo ranks (FSDP2): actor l
 micro-batches, left-padded prompts and responses of different lengths.
 """
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
+from helpers.gloo import spawn_ranks
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
@@ -157,10 +153,7 @@ def _run(model, role: str, packed: bool, dynamic: bool, data: DataProto) -> tupl
     return out, {k: before[k] - v for k, v in iter_full_state(model)}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, out: str) -> None:
     mesh = build_mesh(dp=2)
     results = {}
     for role, make in (("actor", _lm), ("critic", _value_model)):
@@ -169,18 +162,11 @@ def _worker(rank: int, port: int, out: str) -> None:
                 results[role, packed, dynamic] = _run(apply_fsdp2(make(), mesh), role, packed, dynamic,
                                                       _batch().chunk(2)[rank])
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_packed_equals_padded_logprobs_values_and_gradients_on_two_ranks(tmp_path):
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, out)
     per_rank = [torch.load(f"{out}.{r}") for r in range(2)]
     mask = _batch().batch["response_mask"].bool()
     for role in ("actor", "critic"):

@@ -2,15 +2,11 @@
 different numbers of micro-batches (rank 0 holds 1 sequence, rank 1 holds 7) run the same number of forwards and
 backwards (no deadlock) and apply the gradient of the whole batch."""
 
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from helpers.gloo import spawn_ranks
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
@@ -81,28 +77,18 @@ def _update(actor: PPOActor, data: DataProto, budget: int | None) -> tuple[torch
     return log_prob, {k: before[k] - v for k, v in iter_full_state(actor.module)}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, out: str) -> None:
     data = _batch()[:1] if rank == 0 else _batch()[1:]  # 1 and 7 sequences
     # budget 9: rank 0 needs 1 micro-batch, rank 1 (costs 8 6 5 7 8 4 6) needs 6; rank 0 runs 5 dummies
     counts = [len(micro_batch_indices(data, 8, 9)), int(sum(len(i) == 0 for i in micro_batch_indices(data, 8, 9)))]
     actor = _actor(apply_fsdp2(_model(), build_mesh(dp=2)), 9)
     log_prob, delta = _update(actor, data, 9)
     torch.save({"counts": counts, "log_prob": log_prob, "delta": delta}, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ranks_with_different_micro_batch_counts_complete_and_apply_the_batch_gradient(tmp_path):
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, out)
     res = [torch.load(f"{out}.{r}") for r in range(2)]
     assert local_micro_count([P + n for n in LENGTHS[1:]], 9) == 6 and local_micro_count([P + LENGTHS[0]], 9) == 1
     assert res[0]["counts"] == [6, 5] and res[1]["counts"] == [6, 0]
