@@ -1,11 +1,6 @@
 """Exact LoRA resume through ``hybridflow train``: lora_quickstart (GRPO, rank-16 adapters, merged sync, 2 actor
-ranks via Ray) for 3 uninterrupted steps equals 2 steps + resume + 1 step: bit-identical adapters in the step-3
-checkpoints (and the same metrics at step 3), while the frozen base never changed.
-
-The resume is at an epoch boundary (2 steps an epoch), so the resumed step draws the first batch of the
-reshuffled second epoch, and it is the first step after the restore of the adapters, their AdamW moments, the lr
-schedule and the data position. The earlier version ran 4 = 2 + 2; its second step after the resume restored
-nothing the first had not, so 3 = 2 + 1 tests the same with 6 training steps instead of 8."""
+ranks via Ray) for 4 uninterrupted steps equals 2 steps + resume + 2 steps: bit-identical adapters in the step-4
+checkpoints (and the same metrics at steps 3 and 4), while the frozen base never changed."""
 
 import json
 
@@ -47,19 +42,20 @@ def _metrics(out) -> dict[int, dict]:
     return rows
 
 
-def test_lora_two_plus_one_steps_equal_three(tmp_path, ray_session):
+def test_lora_two_plus_two_steps_equal_four(tmp_path, ray_session):
     full, parts = tmp_path / "full", tmp_path / "parts"
-    _train(full, 3)  # checkpoints at 2 (save_freq) and 3 (the last step)
+    _train(full, 4)
     _train(parts, 2)
-    _train(parts, 3)  # resume_mode=auto: continues from parts/global_step_2
-    three, resumed = _model(full / "global_step_3", tmp_path, "a"), _model(parts / "global_step_3", tmp_path, "b")
-    adapters = sorted(k for k in three if ".lora_A." in k or ".lora_B." in k)
-    assert adapters and three.keys() == resumed.keys()
+    _train(parts, 4)  # resume_mode=auto: continues from parts/global_step_2
+    four, resumed = _model(full / "global_step_4", tmp_path, "a"), _model(parts / "global_step_4", tmp_path, "b")
+    adapters = sorted(k for k in four if ".lora_A." in k or ".lora_B." in k)
+    assert adapters and four.keys() == resumed.keys()
     for key in adapters:
-        assert torch.equal(three[key], resumed[key]), key
+        assert torch.equal(four[key], resumed[key]), key
     two = _model(full / "global_step_2", tmp_path, "c")
-    assert any(not torch.equal(two[k], three[k]) for k in adapters)  # step 3 trained the adapters
-    assert all(torch.equal(two[k], three[k]) for k in three if "lora_" not in k)  # the base is frozen
+    assert any(not torch.equal(two[k], four[k]) for k in adapters)  # steps 3-4 trained the adapters
+    assert all(torch.equal(two[k], four[k]) for k in four if "lora_" not in k)  # the base is frozen
     a, b = _metrics(full), _metrics(parts)
-    assert a[3] == b[3]
-    assert a[3]["sync/verified"] == 1.0  # the resumed step generated after a verified sync
+    for step in (3, 4):
+        assert a[step] == b[step], step
+        assert a[step]["sync/verified"] == 1.0
