@@ -157,7 +157,12 @@ class IncompatibleCheckpointError(ValueError):
 # training tensor parallelism: per-rank shards, RNG and lr-schedule files are loaded rank by rank). Everything else
 # (learning rates, batch sizes, KL and loss settings, total steps, logging, ...) may change on resume.
 RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "actor_rollout_ref.model.path",
-               "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size")
+               "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size",
+               "actor_rollout_ref.actor.strategy", "critic.strategy",
+               *(f"{role}.megatron.{size}_model_parallel_size" for role in ("actor_rollout_ref.actor", "critic")
+                 for size in ("tensor", "pipeline")))
+# a key a checkpoint's config may predate: its value then (the *.megatron sections came with strategy=megatron)
+RESUME_DEFAULTS = {key: 1 for key in RESUME_KEYS if ".megatron." in key}
 
 
 def save_config(config: DictConfig, path: str) -> None:
@@ -179,7 +184,7 @@ def resume_signature(config: DictConfig) -> dict[str, Any]:
     from hybridflow.trainer.driver import all_checkpointed_roles, get_driver
     from hybridflow.trainer.setup import resource_pool_spec
 
-    sig = {key: OmegaConf.select(config, key) for key in RESUME_KEYS}
+    sig = {key: OmegaConf.select(config, key, default=RESUME_DEFAULTS.get(key)) for key in RESUME_KEYS}
     critic = need_critic(config)
     sig["critic.enable"] = critic
     sig["critic.model.path"] = (sig["critic.model.path"] or sig["actor_rollout_ref.model.path"]) if critic else None

@@ -196,11 +196,10 @@ class MegatronEngine(TrainEngine):
             if self.layout.pp > 1:
                 dist.broadcast(full, src=pp_ranks[param.pp_stage], group=pp_group)
             yield param.name, full
-            if param.name == "model.embed_tokens.weight" and self.spec.kind == "policy" and \
-                    self.hf_config.tie_word_embeddings:
-                tied = full
+            if param.name == "model.embed_tokens.weight":
+                embedding = full
         if self.spec.kind == "policy" and self.hf_config.tie_word_embeddings:
-            yield "lm_head.weight", tied
+            yield "lm_head.weight", embedding
 
     # ------------------------------------------------------------------ state
     def _path(self, path: str) -> str:

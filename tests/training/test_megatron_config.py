@@ -51,3 +51,14 @@ def test_defaults_are_one_stage_and_registered() -> None:
         assert OmegaConf.to_container(section.megatron) == {"tensor_model_parallel_size": 1,
                                                              "pipeline_model_parallel_size": 1}
     assert get_engine_class("megatron").__name__ == "MegatronEngine"
+
+
+def test_resume_refuses_another_megatron_layout(tmp_path) -> None:
+    """A checkpoint written with pp=2 cannot be resumed with pp=1 (per-rank files); one line names the key."""
+    from hybridflow.trainer.checkpoint import IncompatibleCheckpointError, check_resume_config, save_config
+
+    save_config(load_config(RECIPE, []), str(tmp_path / "config.yaml"))
+    check_resume_config(load_config(RECIPE, []), str(tmp_path))  # same layout: resumes
+    with pytest.raises(IncompatibleCheckpointError, match="critic.megatron.pipeline_model_parallel_size: 2 in the "
+                                                          "checkpoint, 1 now"):
+        check_resume_config(load_config(RECIPE, ["critic.megatron.pipeline_model_parallel_size=1"]), str(tmp_path))

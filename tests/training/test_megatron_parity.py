@@ -60,7 +60,7 @@ def _cfgs():
 def _update(role: str, engine, data: DataProto) -> tuple[dict, torch.Tensor]:
     """(metrics of one update on ``data``, logprobs / values after it)."""
     actor, critic, _ = _cfgs()
-    if role == "actor":
+    if role != "critic":
         worker = PPOActor(engine, None, actor, SamplingSpec())
         metrics = worker.update_policy(data, mini_batch_size=len(data))
         return metrics, worker.compute_log_prob(data, 1)[0]
@@ -74,10 +74,10 @@ def _reference(path: str, role: str) -> tuple[dict, torch.Tensor, dict]:
     from hybridflow.models import hf
 
     # the loaders the engines use (the value model's dropout off)
-    model = (hf.load_causal_lm if role == "actor" else hf.load_value_model)(path, torch.float32)
+    model = (hf.load_value_model if role == "critic" else hf.load_causal_lm)(path, torch.float32)
     _, _, optim = _cfgs()
     opt = build_optimizer(model, optim)
-    engine = FSDP2Engine.from_module(model, opt, kind="policy" if role == "actor" else "value", grad_clip=1.0,
+    engine = FSDP2Engine.from_module(model, opt, kind="value" if role == "critic" else "policy", grad_clip=1.0,
                                      lr_scheduler=build_lr_scheduler(opt, optim, 1), role=role)
     metrics, out = _update(role, engine, _batch())
     return metrics, out, {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -88,7 +88,7 @@ def _engine(root: str, role: str, layout: ParallelLayout):
     model_cfg = OmegaConf.create({"path": os.path.join(root, role), "dtype": "float32", "trust_remote_code": False,
                                   "enable_gradient_checkpointing": False})
     return get_engine_class("megatron").build(EngineSpec(
-        kind="policy" if role == "actor" else "value", model=model_cfg, layout=layout, device="cpu", optim=optim,
+        kind="value" if role == "critic" else "policy", model=model_cfg, layout=layout, device="cpu", optim=optim,
         total_steps=4, grad_clip=1.0, role=role))
 
 
@@ -140,6 +140,9 @@ def _worker(rank: int, port: int, root: str) -> None:
             results[tp, pp, role] = (metrics, out, weights, shards, engine.weight_specs())
         if (tp, pp) == LAYOUTS[-1]:
             results["resume"] = _resume_is_exact(root, layout, data)
+            # tied embeddings over 2 stages: the output copy on the last stage, grads summed across stages
+            metrics, out = _update("actor_tied", _engine(root, "actor_tied", layout), data)
+            results["tied"] = (metrics, out)
         parallel_state.destroy_model_parallel()
     torch.save(results, os.path.join(root, f"res.{rank}"))
     dist.destroy_process_group()
@@ -157,7 +160,9 @@ def checkpoints(tmp_path_factory):
     tiny_model(transformers.LlamaForCausalLM, **ARCH).save_pretrained(os.path.join(root, "actor"))
     value = tiny_model(transformers.LlamaForTokenClassification, num_labels=1, **ARCH)
     value.save_pretrained(os.path.join(root, "critic"))
-    refs = {role: _reference(os.path.join(root, role), role) for role in ("actor", "critic")}
+    tiny_model(transformers.LlamaForCausalLM, tie_word_embeddings=True, **ARCH).save_pretrained(
+        os.path.join(root, "actor_tied"))
+    refs = {role: _reference(os.path.join(root, role), role) for role in ("actor", "critic", "actor_tied")}
     return root, refs
 
 
@@ -172,6 +177,13 @@ def test_megatron_updates_equal_fsdp2_and_resume_exactly(checkpoints) -> None:
     mask = _batch().batch["response_mask"].bool()
     assert all(res["resume"][0] for res in per_rank)
     _check_export(root, per_rank)
+    tied_metrics, tied_out, _ = refs["actor_tied"]
+    for rank, res in enumerate(per_rank):
+        metrics, out = res["tied"]
+        assert abs(metrics["actor/pg_loss"] - tied_metrics["actor/pg_loss"]) <= 1e-5, rank
+        dp_rank = ParallelLayout(dp=2, tp=1, pp=2).coords(rank)[0]
+        rows = mask.chunk(2)[dp_rank]
+        assert (out[rows] - tied_out.chunk(2)[dp_rank][rows]).abs().max() <= 1e-5, rank
     for tp, pp in LAYOUTS:
         layout = ParallelLayout(dp=4 // (tp * pp), tp=tp, pp=pp)
         for role, loss_key in (("actor", "actor/pg_loss"), ("critic", "critic/vf_loss")):
