@@ -55,14 +55,20 @@ def init_parallel_state(layout: ParallelLayout, seed: int, device: str) -> None:
 
 
 def _hf_state(spec: EngineSpec, dtype: torch.dtype) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-    """``(HF module moved to the meta device, full HF state dict on CPU)`` of ``spec.model``: the module keeps
-    ``config`` and ``generation_config`` (the engine's ``module``, e.g. for checkpoints' ``hf/``) but no data."""
+    """``(HF module with its parameters on the meta device, full HF state dict on CPU)`` of ``spec.model``: the
+    module keeps ``config`` and ``generation_config`` (the engine's ``module``, e.g. for checkpoints' ``hf/``) and
+    its buffers (rotary tables) on ``spec.device`` for the 3D-HybridEngine's generation model; no parameter data."""
     from hybridflow.models import hf
 
     load = hf.load_causal_lm if spec.kind == "policy" else hf.load_value_model
     module = load(spec.model.path, dtype, spec.model.trust_remote_code)
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    return module.to("meta"), state
+    buffers = [(name, buf) for name, buf in module.named_buffers()]
+    module.to("meta")
+    for name, buf in buffers:
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = buf.to(spec.device)
+    return module, state
 
 
 def _optimizer(spec: EngineSpec, gpt: torch.nn.Module, dtype: torch.dtype) -> tuple[Any, Any, list]:

@@ -176,9 +176,7 @@ class ActorRolloutRefWorker(Worker):
         rollout_cls = get_rollout_class(cfg.rollout.name)
         rollout_module = None
         # the engine's generation model replaces a separate copy; with LoRA the hf rollout keeps its own copy
-        # strategy=megatron: the hf rollout keeps its own copy refreshed from the gathered weights (iter_weights)
-        # until the 3D-HybridEngine reshards from a tp x pp layout (issue 16 item 3)
-        use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora and cfg.actor.strategy != "megatron"
+        use_engine = uses_hybrid_engine(cfg.rollout.name) and not self._lora
         if rollout_cls.needs_module and not use_engine:
             rollout_module = load_causal_lm(path, dtype, cfg.model.trust_remote_code)
             if self.inputs.rollout_lora_adapters:  # base + adapters, refreshed by A and B only
