@@ -21,7 +21,6 @@ read from anywhere but the yielded shards shows). For each layout:
 import itertools
 import math
 import os
-import socket
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
@@ -31,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
+from helpers.gloo import free_port
 from helpers.models import tiny_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
 from hybridflow.engine.plan import Layout, build_reshard_plan, generation_coords
@@ -314,17 +314,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs_raw(tmp_path_factory) -> list:
     """Per rank: case -> its results (one spawn of 4 ranks for all cases)."""
     out = str(tmp_path_factory.mktemp("reshard3d") / "result")
-    mp.spawn(_worker, args=(4, _free_port(), out), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, free_port(), out), nprocs=4, join=True)
     return [torch.load(f"{out}.{r}") for r in range(4)]
 
 

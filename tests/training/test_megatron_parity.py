@@ -6,7 +6,6 @@ shard iterator gives the HF tp-shards; a checkpoint round trip resumes exactly."
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from hybridflow.training import EngineSpec, FSDP2Engine, ParallelLayout, get_eng
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 from hybridflow.workers.ppo_actor import PPOActor
 from hybridflow.workers.ppo_critic import PPOCritic
+from tests.helpers.gloo import free_port
 from tests.helpers.models import tiny_model
 
 V, P, R = 64, 5, 4
@@ -148,12 +148,6 @@ def _worker(rank: int, port: int, root: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("megatron_parity"))
@@ -172,7 +166,7 @@ def test_megatron_updates_equal_fsdp2_and_resume_exactly(checkpoints) -> None:
     lr: AdamW's first step is about lr * g/|g|, so elements whose gradient is near eps amplify the fp32
     summation-order differences of tp/pp); HF tp-shards equal slices of the gathered weights."""
     root, refs = checkpoints
-    mp.spawn(_worker, args=(_free_port(), root), nprocs=4, join=True)
+    mp.spawn(_worker, args=(free_port(), root), nprocs=4, join=True)
     per_rank = [torch.load(os.path.join(root, f"res.{r}"), weights_only=False) for r in range(4)]
     mask = _batch().batch["response_mask"].bool()
     assert all(res["resume"][0] for res in per_rank)
