@@ -35,7 +35,7 @@ def megatron_state_dict(directory: str, hf_dir: str) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"no megatron_rank_*.pt under {directory!r}")
     config = AutoConfig.from_pretrained(hf_dir)
-    first = torch.load(files[min(files)], weights_only=False, map_location="cpu")
+    first = torch.load(files[min(files)], weights_only=True, map_location="cpu")
     dp, tp, pp = first["layout"]
     params = hf_params(config, first["kind"], pp)
     shards: dict[tuple[int, str], torch.Tensor] = {}
@@ -45,7 +45,7 @@ def megatron_state_dict(directory: str, hf_dir: str) -> dict[str, torch.Tensor]:
             if rank not in files:
                 raise FileNotFoundError(f"megatron checkpoint {directory!r} lacks rank {rank} of its "
                                         f"(dp={dp}, tp={tp}, pp={pp}) layout")
-            local = torch.load(files[rank], weights_only=False, map_location="cpu")["model"]
+            local = torch.load(files[rank], weights_only=True, map_location="cpu")["model"]
             for p in params:
                 if p.pp_stage == pp_rank:
                     shards[tp_rank, p.name] = hf_shard_from_local(p, local[p.mg_name], config, tp)

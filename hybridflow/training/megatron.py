@@ -218,7 +218,7 @@ class MegatronEngine(TrainEngine):
         if not os.path.exists(file):
             raise FileNotFoundError(f"no megatron checkpoint for rank {dist.get_rank()} under {path!r} "
                                     f"(missing {file})")
-        return restore_state(self, torch.load(file, weights_only=False))
+        return restore_state(self, torch.load(file, weights_only=True))
 
     def offload(self) -> None:
         """A no-op: the build refuses host offload on GPU (not implemented for Megatron's grad buffers)."""
