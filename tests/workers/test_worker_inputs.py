@@ -94,8 +94,8 @@ def test_derived_values_are_computed_once_by_the_driver_layer():
     critic, cinputs = critic_args(cfg, 9)
     assert cinputs.rollout_n == 2 and critic.ppo_mini_batch_size == 8
     assert cinputs.model.path == "builtin:tiny-arith"  # critic.model.path "" -> the actor's model section
-    own = load_config("quickstart", ["critic.model.path=/elsewhere/model", "critic.model.lora_rank=4"])
-    assert critic_args(own, 1)[1].model.path == "/elsewhere/model"
+    own = load_config("quickstart", ["critic.model.path=builtin:tiny-tool", "critic.model.lora_rank=4"])
+    assert critic_args(own, 1)[1].model.path == "builtin:tiny-tool"
     with pytest.raises(dataclasses.FrozenInstanceError):
         inputs.seed = 6
 
