@@ -58,6 +58,9 @@ def test_ctrl_c_on_a_terminal(tmp_path):
     pid, fd = pty.fork()  # the child runs on a new terminal, as its foreground process group
     if pid == 0:
         os.chdir(REPO)
+        # as from an interactive shell: a suite started in the background (`cmd &` without job control) inherits
+        # SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", *argv])
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     chunks: list[bytes] = []
