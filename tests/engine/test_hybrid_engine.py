@@ -16,7 +16,6 @@ One process spawn per world size (2 and 4); each loops over its layouts. Qwen2 (
 
 import os
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from helpers.generation import greedy_rollout, left_padded_prompts
 from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import build_mesh, iter_full_state, parallelize_model
@@ -57,12 +57,7 @@ def _model(arch: str) -> torch.nn.Module:
 
 
 def _prompts() -> DataProto:
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([6, 3, 5, 2, 4, 6, 1, 5])
-    mask = (torch.arange(P)[None, :] >= (P - lengths)[:, None]).long()  # left padding
-    ids = torch.randint(1, V, (B, P), generator=g) * mask
-    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
-                                        "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+    return left_padded_prompts(P, V)
 
 
 def _train_batch() -> DataProto:
@@ -77,10 +72,8 @@ def _train_batch() -> DataProto:
         "old_log_probs": -torch.rand(B, R, generator=g) * 4, "advantages": torch.randn(B, R, generator=g)})
 
 
-def _rollout(module) -> HFRollout:
-    cfg = SimpleNamespace(response_length=R, n=1, do_sample=False, temperature=1.0, top_p=1.0, top_k=-1,
-                          micro_batch_size=3)  # several decode loops per chunk
-    return HFRollout(module, cfg, eos_token_id=[V - 1], pad_token_id=0)
+def _rollout(module: torch.nn.Module) -> HFRollout:
+    return greedy_rollout(module, R, V)
 
 
 def _actor(module) -> PPOActor:

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
 from helpers.gloo import free_port
+from helpers.generation import greedy_rollout, left_padded_prompts
 from helpers.models import tiny_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
 from hybridflow.engine.plan import Layout, build_reshard_plan, generation_coords
@@ -254,18 +255,11 @@ class SyntheticMegatronEngine(TrainEngine):
 
 
 def _prompts() -> DataProto:
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([6, 3, 5, 2, 4, 6, 1, 5])
-    mask = (torch.arange(P)[None, :] >= (P - lengths)[:, None]).long()  # left padding
-    ids = torch.randint(1, V, (B, P), generator=g) * mask
-    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
-                                        "position_ids": (mask.cumsum(1) - 1).clamp(min=0)})
+    return left_padded_prompts(P, V)
 
 
 def _rollout(module: torch.nn.Module) -> HFRollout:
-    cfg = SimpleNamespace(response_length=R, n=1, do_sample=False, temperature=1.0, top_p=1.0, top_k=-1,
-                          micro_batch_size=3)
-    return HFRollout(module, cfg, eos_token_id=[V - 1], pad_token_id=0)
+    return greedy_rollout(module, R, V)
 
 
 def _case(dp: int, tp: int, pp: int, tp_g: int, tied: bool, rank: int) -> dict:
