@@ -48,7 +48,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engine
 from hybridflow.config.megatron_checks import engine_layout
-from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
+from hybridflow.training import EngineSpec, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.inputs import ActorInputs, expect, expect_section
 from hybridflow.workers.ppo_actor import PPOActor

@@ -11,7 +11,7 @@ from hybridflow.distributed import init_distributed
 from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.config.megatron_checks import engine_layout
-from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
+from hybridflow.training import EngineSpec, get_engine_class
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.inputs import CriticInputs, expect, expect_section
