@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
 # each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
-# Meant for a quiet machine (nothing else running; each result records the load average): about 10 minutes on
-# 2 cores. Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison (skipped otherwise).
+# Meant for a quiet machine (nothing else running; each result records the load average): about 25 minutes on
+# 2 cores (22 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
+# load to fall below 1.5). Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison
+# (skipped otherwise).
 #
 #     benchmarks/run_perf_suite.sh > perf.jsonl
 set -u
@@ -11,8 +13,17 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 LOG="${PERF_LOG:-perf_suite.log}"
 : > "$LOG"
 
+quiet() {  # wait (at most 180 s) until the 1-minute load average is below 1.5: the previous item's tail is not noise
+  python -c '
+import os, time
+end = time.time() + 180
+while os.getloadavg()[0] >= 1.5 and time.time() < end:
+    time.sleep(5)'
+}
+
 run() {  # run NAME COMMAND...: the last JSON line of COMMAND's stdout, tagged with NAME
   local name="$1"; shift
+  quiet
   echo "== $name: $*" >> "$LOG"
   "$@" 2>> "$LOG" | python -c '
 import json, sys
@@ -37,6 +48,9 @@ fp32, bf16 = time_matmul(torch.float32), time_matmul(torch.bfloat16)
 print(json.dumps({"item": "dtype_probe", "result": {"fp32_s": fp32, "bf16_s": bf16, "bf16_speedup": fp32 / bf16,
                   "auto_picks_bf16": bf16_is_faster(lambda d: {torch.float32: fp32, torch.bfloat16: bf16}[d])}}))'
 
+# one worker-group call's round trip vs bare Ray actor calls (same run)
+run call_overhead python benchmarks/call_overhead.py
+
 # TRL / hybridflow at the default tiny shape and at the medium shape, TRL with 1 and 2 threads (targets 1.5 / 1.2)
 run compare_trl_tiny python benchmarks/compare_trl.py --trl-threads 1,2
 run compare_trl_medium python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 --trl-threads 1,2
@@ -48,6 +62,11 @@ fi
 run step_profile_padded python benchmarks/step_profile.py --steps 4
 run step_profile_packed python benchmarks/step_profile.py --steps 4 actor_rollout_ref.model.use_remove_padding=true \
   critic.model.use_remove_padding=true actor_rollout_ref.actor.use_dynamic_bsz=true critic.use_dynamic_bsz=true
+# compare_trl's GRPO shape (8 prompts x 4, one update per step, KL loss: the reference runs inside the update call)
+run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_quickstart data.train_batch_size=8 \
+  data.builtin_train_size=48 actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=8 \
+  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.model.use_remove_padding=true \
+  actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
 # training phases at the medium shape vs the matmul rate (target >= 70%)
 run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium \
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true

@@ -1,8 +1,8 @@
 """Where a quickstart PPO step spends its time, and how close each phase runs to the machine's matmul rate.
 
 Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON line: seconds per phase (driver
-wall time: generate, reward, reference, old logprobs, values, advantages, critic update, actor update), the same
-phases measured inside the workers, the controller's own overhead (step time not spent inside a worker method:
+wall time: generate, reward, reference, old logprobs (or both in one call), values, advantages, critic update,
+actor update), the same phases measured inside the workers (the slowest rank's), the controller's own overhead (step time not spent inside a worker method:
 dispatch, serialization, object store, driver math) as a fraction of the step, and per phase the FLOPs, the
 achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in the same run with the same process/thread
 layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
@@ -13,7 +13,7 @@ FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backwar
 padding the padded path computes: ``padding_frac`` of the computed tokens, from the actor/critic updates'
 ``perf/*_computed_tokens``); generation counts the valid prompt and response tokens (useful FLOPs).
 
-    python benchmarks/step_profile.py [--steps 4] [--model builtin:tiny-arith|medium|DIR] [key=value ...]
+    python benchmarks/step_profile.py [--steps 4] [--recipe quickstart] [--model builtin:tiny-arith|medium|DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ import tempfile
 from hybridflow.distributed.precision import matmul_rate
 
 PHASES = {"generate": "gen", "reward": "reward", "reference": "ref", "old_log_prob": "old_log_prob",
+          "ref_and_old_log_prob": "ref_and_old_log_prob",  # both forwards in one call (when a step needs both)
           "values": "values", "advantages": "adv", "critic_update": "update_critic", "actor_update": "update_actor"}
 # phase -> (FLOPs per token in units of N, whose padding fraction applies: actor, critic or None = valid tokens)
 PHASE_FLOPS = {"generate": (2, None), "reference": (2, "actor"), "old_log_prob": (2, "actor"),
+               "ref_and_old_log_prob": (4, "actor"),
                "values": (2, "critic"), "critic_update": (6, "critic"), "actor_update": (6, "actor")}
 MATMUL_SIZE = 1024  # the fp32 matmul of the reference rate
 
@@ -42,9 +44,10 @@ def padding_fraction(rows: list[dict], role: str) -> float | None:
 
 
 def phase_flops(params: int, sequences: int, tokens_per_sequence: float, epochs: int,
-                padding: dict[str, float | None]) -> dict[str, float]:
+                padding: dict[str, float | None], ref_in_update: bool = False) -> dict[str, float]:
     """FLOPs per step of each phase of :data:`PHASE_FLOPS` for ``sequences`` sequences of ``tokens_per_sequence``
-    valid tokens (updates: ``epochs`` passes), computed tokens = valid / (1 - padding fraction of the role)."""
+    valid tokens (updates: ``epochs`` passes), computed tokens = valid / (1 - padding fraction of the role).
+    ``ref_in_update``: the actor update's call also ran the reference forward (2N per token, once)."""
     flops = {}
     for phase, (per_token, role) in PHASE_FLOPS.items():
         frac = padding.get(role) if role else 0.0
@@ -52,6 +55,8 @@ def phase_flops(params: int, sequences: int, tokens_per_sequence: float, epochs:
             continue
         passes = epochs if phase.endswith("update") else 1
         flops[phase] = per_token * params * sequences * tokens_per_sequence * passes / (1.0 - frac)
+    if ref_in_update and "actor_update" in flops:
+        flops["actor_update"] += 2 * params * sequences * tokens_per_sequence / (1.0 - padding["actor"])
     return flops
 
 
@@ -62,7 +67,7 @@ def _run(args) -> tuple[list[dict], object, int]:
 
     with tempfile.TemporaryDirectory() as out:
         model = [f"actor_rollout_ref.model.path={resolve_benchmark_model(args.model, out)}"] if args.model else []
-        cfg = load_config("quickstart", [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
+        cfg = load_config(args.recipe, [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
                                          "trainer.val_before_train=false", f"trainer.default_local_dir={out}",
                                          "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
                                          *args.overrides])
@@ -76,6 +81,7 @@ def _run(args) -> tuple[list[dict], object, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--recipe", default="quickstart", help="a shipped recipe name or a YAML path")
     parser.add_argument("--model", default=None, help="a preset (medium), builtin:NAME or a local HF directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -92,7 +98,8 @@ def main() -> None:
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = avg("prompt_length/mean") + avg("response_length/mean")
     padding = {role: padding_fraction(steady, role) for role in ("actor", "critic")}
-    flops = phase_flops(params, sequences, tokens, cfg.actor_rollout_ref.actor.ppo_epochs, padding)
+    ref_in_update = any("timing_worker_s/ref_log_prob_in_update" in r for r in steady)
+    flops = phase_flops(params, sequences, tokens, cfg.actor_rollout_ref.actor.ppo_epochs, padding, ref_in_update)
     achieved = {k: v / phase_s[k] / 1e9 for k, v in flops.items() if phase_s.get(k)}
     print(json.dumps({
         "benchmark": "step_profile", "model": cfg.actor_rollout_ref.model.path, "parameters": params,
@@ -101,6 +108,7 @@ def main() -> None:
         "steps_measured": len(steady), "step_s": avg("timing_s/step"), "phase_s": phase_s,
         "worker_s": {k.split("/", 1)[1]: avg(k) for k in steady[0] if k.startswith("timing_worker_s/")},
         "controller_overhead_frac": avg("timing_s/controller_overhead_frac"),
+        "ref_log_prob_in_update_s": avg("timing_worker_s/ref_log_prob_in_update") if ref_in_update else None,
         "tokens_per_s": avg("perf/throughput"),
         "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch
         "padding_frac": padding,

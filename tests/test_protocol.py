@@ -309,6 +309,25 @@ def test_pickled_chunk_does_not_carry_parent_storage():
     assert torch.equal(pickle.loads(pickle.dumps(piece)).batch["x"], torch.zeros(100, 1000))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool])
+def test_pickle_keeps_dtype_values_and_gives_writable_tensors(dtype):
+    # bf16 has no numpy dtype: it travels as its int16 bit pattern and must come back bit-identical
+    values = (torch.arange(-6, 6).reshape(3, 4) * 0.37).to(dtype)
+    sent = values.clone()
+    back = pickle.loads(pickle.dumps(DataProto.from_dict(tensors={"t": values})[1:], protocol=5))
+    t = back.batch["t"]
+    assert t.dtype == dtype and t.shape == (2, 4)
+    assert torch.equal(t, sent[1:])
+    t.zero_()  # writable, and not shared with the sender
+    assert torch.equal(values, sent)
+
+
+def test_pickle_keeps_a_tensor_that_needs_grad():
+    w = torch.ones(2, 3, requires_grad=True)
+    back = pickle.loads(pickle.dumps(DataProto.from_dict(tensors={"w": w})))
+    assert back.batch["w"].requires_grad and torch.equal(back.batch["w"].detach(), torch.ones(2, 3))
+
+
 def test_repr_is_concise():
     text = repr(make(2))
     assert "batch_size=2" in text and "x: (2, 2) torch.int64" in text and "name: (2,) object" in text

@@ -59,6 +59,9 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
     "algorithm.filter_groups.on_limit": ("error", "train"),
     "algorithm.recompute_old_log_prob": ("auto", "always"),
+    # a YAML / command-line bool arrives in the str field as True / False
+    "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
+    "critic.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
 }
 # keys that were accepted once and removed: setting one is an unknown key, with this hint
 REMOVED_KEYS: dict[str, str] = {

@@ -32,6 +32,10 @@ class FSDPConfig:
     # actor: while generating (hf rollout's 3D-HybridEngine); critic: between its calls. A no-op on CPU
     param_offload: bool = False  # keep params (and grads) on host memory between phases
     optimizer_offload: bool = False  # keep optimizer state on host memory between phases
+    # free each unit's gathered weights after its forward (true: ZeRO-3) or keep them to the backward (false: one
+    # all-gather less per unit and micro-batch; a frozen reference keeps them); auto: false for a model whose
+    # weights take <= 1/16 of a rank's memory, without param_offload
+    reshard_after_forward: str = "auto"
 
 
 @dataclass

@@ -47,7 +47,7 @@ import ray
 
 from hybridflow.controller.decorator import Dispatch
 from hybridflow.controller.futures import DataProtoFuture
-from hybridflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.protocol import RANK_SECONDS_PREFIX, DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.registry import Registry
 
 __all__ = [
@@ -289,14 +289,18 @@ def collect_rank_zero(outputs: list) -> Any:
 
 
 def collect_dp_compute_data_proto(outputs: list) -> DataProto:
-    """Concatenate the counted outputs in order. Raises ``TypeError`` naming the first non-DataProto output."""
+    """Concatenate the counted outputs in order (``meta_info`` from the first, ``RANK_SECONDS_PREFIX`` keys the
+    maximum over them). Raises ``TypeError`` naming the first non-DataProto output."""
     for i, out in enumerate(outputs):
         if not isinstance(out, DataProto):
             raise TypeError(
                 f"a DataProto dispatch mode needs every counted rank to return a DataProto; output {i} of "
                 f"{len(outputs)} is a {type(out).__name__}"
             )
-    return DataProto.concat(outputs)
+    merged = DataProto.concat(outputs)
+    for key in [k for k in merged.meta_info if k.startswith(RANK_SECONDS_PREFIX)]:
+        merged.meta_info[key] = max(out.meta_info.get(key, 0.0) for out in outputs)
+    return merged
 
 
 # ---------------------------------------------------------------------- registry

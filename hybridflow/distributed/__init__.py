@@ -8,6 +8,7 @@ from hybridflow.distributed.fsdp import (
     onload_module,
     offload_optimizer,
     onload_optimizer,
+    resolve_reshard_after_forward,
 )
 from hybridflow.distributed.init import (
     all_reduce_mean,
@@ -35,4 +36,5 @@ __all__ = [
     "onload_optimizer",
     "parallelize_model",
     "resolve_dtype",
+    "resolve_reshard_after_forward",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,6 +29,43 @@ def apply_fsdp2(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
+
+
+#: ``reshard_after_forward=auto`` keeps a model's gathered weights between forward and backward when they take at
+#: most this share of a rank's memory
+UNSHARDED_MEMORY_SHARE = 1 / 16
+
+
+def rank_memory_bytes(device: str) -> int:
+    """Memory one rank may count on: the current GPU's total, or on CPU the host's RAM over the ranks that may
+    share it (``LOCAL_WORLD_SIZE``, else the whole world's size)."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or (dist.get_world_size() if dist.is_initialized() else 1))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
+
+
+def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: str, param_offload: bool) -> bool:
+    """FSDP2's ``reshard_after_forward`` from ``fsdp_config.reshard_after_forward`` (``auto``, ``true``,
+    ``false``, any case).
+
+    ``true``: each unit frees its gathered weights after its forward and gathers them again for the backward
+    (ZeRO-3: least memory, one more all-gather per unit and micro-batch). ``false``: the gathered weights stay until
+    the backward is done (ZeRO-2-like; a frozen model, which has no backward, then keeps them: it is in effect
+    replicated after its first forward). ``auto``: ``false`` when the full weights take at most
+    ``UNSHARDED_MEMORY_SHARE`` of the rank's memory (:func:`rank_memory_bytes`) and the parameters are not
+    offloaded, else ``true``.
+
+    Raises:
+        ValueError: another value.
+    """
+    value = str(setting).lower()
+    if value in ("true", "false"):
+        return value == "true"
+    if value != "auto":
+        raise ValueError(f"fsdp_config.reshard_after_forward must be auto, true or false, got {setting!r}")
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return param_offload or weight_bytes > UNSHARDED_MEMORY_SHARE * rank_memory_bytes(device)
 
 
 def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

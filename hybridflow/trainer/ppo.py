@@ -29,6 +29,7 @@ from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_o
                                      compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.validate import validate
 from hybridflow.trainer.worker_inputs import actor_args, critic_args, rule_reward_args, score_model_args
+from hybridflow.workers.inputs import REF_IN_UPDATE
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
@@ -161,15 +162,27 @@ class PPOTrainer(Driver):
         """Add ``ref_log_prob`` (B, R) when a KL term uses it (``algorithm.use_kl_in_reward`` or
         ``actor.use_kl_loss``) and ``old_log_probs`` (B, R): the actor's forward, or with
         ``algorithm.bypass_old_log_prob`` the sampling policy's ``rollout_log_probs`` (no forward), or nothing when
-        they equal the update's own detached logprobs (:mod:`hybridflow.trainer.old_log_prob`)."""
-        if self.config.algorithm.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss:
+        they equal the update's own detached logprobs (:mod:`hybridflow.trainer.old_log_prob`). Both forwards run
+        on the actor's group: when both are needed they come in one call; when only the update's KL loss reads the
+        reference logprobs, the update call computes them (``REF_IN_UPDATE``) and they never visit the driver."""
+        alg = self.config.algorithm
+        need_ref = alg.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss
+        # pi_old: the sampling policy's logprobs (bypass: no forward), or the update's own detached ones
+        need_old = not alg.bypass_old_log_prob and not old_log_prob_is_current(self.config)
+        if need_ref and need_old:  # both forwards run on the actor's group: one call, one transfer of the batch
+            with timer("ref_and_old_log_prob", t):
+                batch.union(self.actor.compute_ref_and_old_log_prob(batch))
+        elif need_ref and not alg.use_kl_in_reward and not alg.bypass_old_log_prob:
+            # only the update's KL loss reads them (and it logs rollout/kl itself): computed in that call
+            batch.meta_info[REF_IN_UPDATE] = True
+        elif need_ref:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
-        if self.config.algorithm.bypass_old_log_prob:  # the sampling policy's logprobs are pi_old: no forward
-            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-        elif not old_log_prob_is_current(self.config):  # else the update uses its own detached logprobs
+        elif need_old:
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
+        if alg.bypass_old_log_prob:
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
 
     def values(self, batch: DataProto, t: dict[str, float]) -> None:
         """Add the critic's ``values`` (B, R) (nothing without a critic)."""

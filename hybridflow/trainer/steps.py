@@ -117,8 +117,8 @@ def add_worker_time(meta_info: dict, other_meta: dict) -> None:
 def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, float]:
     """Worker-side seconds per step (``timing_worker_s/<method>``, from the ``worker_s/*`` meta_info keys the
     worker steps add) and the controller's own share of the step:
-    ``timing_s/controller_overhead_frac`` = (step - sum of worker seconds) / step. Worker seconds are rank 0's;
-    time other ranks make rank 0 wait shows up as overhead."""
+    ``timing_s/controller_overhead_frac`` = (step - sum of worker seconds) / step. Worker seconds are the slowest
+    counted rank's (the one the driver waits for), so rank imbalance is not counted as controller overhead."""
     worker = {k[len(WORKER_TIME_PREFIX):]: v for k, v in meta_info.items() if k.startswith(WORKER_TIME_PREFIX)}
     metrics = {f"timing_worker_s/{k}": v for k, v in worker.items()}
     metrics["timing_s/controller_overhead_frac"] = max(0.0, step_seconds - sum(worker.values())) / step_seconds

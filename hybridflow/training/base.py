@@ -102,6 +102,8 @@ class EngineSpec:
         grad_clip: max global gradient norm of :meth:`TrainEngine.optimizer_step`.
         nonfinite_grad: ``skip`` (drop a step whose gradient norm is NaN/inf, count it) or ``error`` (raise).
         param_offload / optimizer_offload: what :meth:`TrainEngine.offload` moves to host memory.
+        reshard_after_forward: ``auto``, ``true`` or ``false``
+            (:func:`hybridflow.distributed.resolve_reshard_after_forward`; engines without it ignore it).
         lora: wrap the model with LoRA adapters (peft) before sharding; only they train (a value model's head too).
         lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``;
             the critic passes ``critic.model`` while loading the actor's weights when it has no path of its own).
@@ -120,6 +122,7 @@ class EngineSpec:
     nonfinite_grad: str = "skip"
     param_offload: bool = False
     optimizer_offload: bool = False
+    reshard_after_forward: str = "auto"
     lora: bool = False
     lora_config: Any = None
     remove_padding: bool = False

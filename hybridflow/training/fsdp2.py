@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import (build_mesh, iter_full_state, offload_module, offload_optimizer, onload_module,
-                                    onload_optimizer, parallelize_model)
+                                    onload_optimizer, parallelize_model, resolve_reshard_after_forward)
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.distributed.tp import tp_dims
@@ -86,7 +86,9 @@ class FSDP2Engine(TrainEngine):
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
         module = _load_module(spec, weights)
-        module = parallelize_model(module.to(spec.device), mesh, mp_policy=mixed_precision_policy(compute))
+        reshard = resolve_reshard_after_forward(spec.reshard_after_forward, module, spec.device, spec.param_offload)
+        module = parallelize_model(module.to(spec.device), mesh, reshard_after_forward=reshard,
+                                   mp_policy=mixed_precision_policy(compute))
         optimizer = scheduler = None
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
@@ -161,6 +163,7 @@ class FSDP2Engine(TrainEngine):
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, path: str, extra: Optional[dict[str, Any]] = None) -> None:
+        _reshard(self.module)  # reshard_after_forward=false may have left gathered weights after a forward
         state = dict(extra or {})
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -168,6 +171,9 @@ class FSDP2Engine(TrainEngine):
         save_sharded(path, self.module, self.optimizer, state)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
+        # a gathered copy left by a forward would be stale once the shards are loaded (DCP's state_dict path
+        # reshards too; the engine does not rely on it)
+        _reshard(self.module)
         extra = load_sharded(path, self.module, self.optimizer)
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra.pop("lr_scheduler"))
@@ -176,6 +182,7 @@ class FSDP2Engine(TrainEngine):
 
     def offload(self) -> None:
         if self.spec.param_offload:
+            _reshard(self.module)  # only the shards are moved: free any gathered copy first
             offload_module(self.module)
         if self.spec.optimizer_offload and self.optimizer is not None:
             offload_optimizer(self.optimizer)

@@ -50,7 +50,7 @@ from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engin
 from hybridflow.config.megatron_checks import engine_layout
 from hybridflow.training import EngineSpec, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
-from hybridflow.workers.inputs import ActorInputs, expect, expect_section
+from hybridflow.workers.inputs import REF_IN_UPDATE, ActorInputs, expect, expect_section
 from hybridflow.workers.ppo_actor import PPOActor
 
 if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
@@ -155,8 +155,8 @@ class ActorRolloutRefWorker(Worker):
                 kind="policy", model=cfg.model, layout=layout, device=self.device, optim=cfg.actor.optim,
                 total_steps=inputs.total_training_steps, grad_clip=cfg.actor.grad_clip,
                 nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
-                optimizer_offload=fsdp.optimizer_offload, lora=self._lora, role="actor",
-                remove_padding=cfg.model.use_remove_padding))
+                optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
+                lora=self._lora, role="actor", remove_padding=cfg.model.use_remove_padding))
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=inputs.loss_scale_factor)
         if self._has_rollout:
             self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, self.tokenizer)
@@ -165,6 +165,7 @@ class ActorRolloutRefWorker(Worker):
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
             ref = engine_cls.build(EngineSpec(kind="policy", model=cfg.model, layout=layout, device=self.device,
+                                              reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
                                               role="ref", remove_padding=cfg.model.use_remove_padding))
             self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
 
@@ -301,35 +302,58 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
         self._switch_to_training()
-        rollout = self.config.rollout
-        log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
-                                                        rollout.log_prob_max_token_len_per_gpu)
-        return DataProto.from_dict(tensors={"old_log_probs": log_prob, "entropys": entropy})
+        return DataProto.from_dict(tensors=self._old_log_prob(data))
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
     @report_time
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
+        return DataProto.from_dict(tensors=self._ref_log_prob(data))
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
+    @report_time
+    def compute_ref_and_old_log_prob(self, data: DataProto) -> DataProto:
+        """``ref_log_prob``, ``old_log_probs`` and ``entropys`` (each (B, R), fp32) in one call: the two forwards
+        a PPO step needs from this group, with one dispatch and one transfer of the batch instead of two."""
+        self._switch_to_training()
+        return DataProto.from_dict(tensors={**self._ref_log_prob(data), **self._old_log_prob(data)})
+
+    def _old_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
+        rollout = self.config.rollout
+        log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
+                                                        rollout.log_prob_max_token_len_per_gpu)
+        return {"old_log_probs": log_prob, "entropys": entropy}
+
+    def _ref_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         ref = self.config.ref
         # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
         shares_actor = self._has_actor and self.ref.module is self.actor.module
         with self.actor.module.disable_adapter() if shares_actor else nullcontext():
             log_prob, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
                                                     max_token_len=ref.log_prob_max_token_len_per_gpu)
-        return DataProto.from_dict(tensors={"ref_log_prob": log_prob})
+        return {"ref_log_prob": log_prob}
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor")
     @report_time
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
-        ``data.meta_info["global_step"]`` seeds the mini-batch shuffle."""
+        ``data.meta_info["global_step"]`` seeds the mini-batch shuffle. With ``meta_info[REF_IN_UPDATE]`` the
+        reference logprobs the KL loss reads are computed here first (only the update reads them: no round trip
+        through the driver; their seconds in ``timing_worker_s/ref_log_prob_in_update``)."""
         self._switch_to_training()
+        ref_s = None
+        if data.meta_info.pop(REF_IN_UPDATE, False):
+            start = time.perf_counter()
+            data.batch.update(self._ref_log_prob(data))
+            ref_s = time.perf_counter() - start
         cfg = self.config
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.dp_size
         step = int(data.meta_info.get("global_step", 0))
         metrics = self.actor.update_policy(data, mini, seed=self.inputs.seed + step)
         metrics["actor/lr"] = self.actor.engine.lr_scheduler_step()
+        if ref_s is not None:
+            metrics["timing_worker_s/ref_log_prob_in_update"] = ref_s
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
 

@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # annotations only: the config package is a higher layer than
     from hybridflow.config.schema import ModelConfig
 
 
+#: ``update_actor``'s batch ``meta_info`` flag (set by the driver): compute the reference logprobs the KL loss reads
+#: in that call, since nothing else reads them (no round trip of them through the driver)
+REF_IN_UPDATE = "ref_log_prob_in_update"
+
+
 @dataclass(frozen=True)
 class ActorInputs:
     """Derived values of the actor(+rollout+reference) worker (besides ``actor_rollout_ref``).

@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from hybridflow.protocol import DataProto
 
-#: prefix of the meta_info keys that carry worker-side seconds, one key per method
-WORKER_TIME_PREFIX = "worker_s/"
+from hybridflow.protocol import RANK_SECONDS_PREFIX
+
+#: prefix of the meta_info keys that carry worker-side seconds, one key per method (collected as the slowest
+#: rank's)
+WORKER_TIME_PREFIX = RANK_SECONDS_PREFIX
 
 
 def report_time(fn: Callable[..., DataProto]) -> Callable[..., DataProto]:

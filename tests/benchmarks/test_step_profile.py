@@ -15,6 +15,9 @@ def test_padding_fraction_and_phase_flops_by_hand(repo_script):
     assert flops["old_log_prob"] == flops["reference"] == 2 * 10 * 20 * 2
     assert flops["actor_update"] == 6 * 10 * 20 * 2 * 2
     assert "values" not in flops and "critic_update" not in flops
+    # the reference forward run inside the update call: 2N per computed token once more in that phase
+    inline = module.phase_flops(10, 4, 5.0, 2, {"actor": 0.5, "critic": None}, ref_in_update=True)
+    assert inline["actor_update"] == flops["actor_update"] + 2 * 10 * 20 * 2
 
 
 def test_matmul_rate_counts_two_flops_per_multiply_add():

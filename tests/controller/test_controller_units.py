@@ -145,6 +145,13 @@ def test_all_to_all_error_names_argument_and_lengths():
         dispatch_all_to_all(FakeGroup(3), 5)
 
 
+def test_collect_dp_keeps_the_slowest_ranks_worker_seconds():
+    outs = [DataProto(meta_info={"worker_s/update_actor": t, "metrics": {"rank": r}}) for r, t in enumerate((0.2, 0.5))]
+    merged = collect_dp_compute_data_proto(outs)
+    assert merged.meta_info["worker_s/update_actor"] == 0.5  # the driver waited for rank 1
+    assert merged.meta_info["metrics"] == {"rank": 0}  # other meta_info: the first output's
+
+
 def test_collect_dp_rejects_non_dataproto_output():
     with pytest.raises(TypeError, match="output 1 of 2 is a dict"):
         collect_dp_compute_data_proto([rows(1), {"x": 1}])

@@ -76,11 +76,15 @@ class RecordingActor:
         self.calls.append("old")
         return DataProto.from_dict(tensors={"old_log_probs": batch.batch["x"]})
 
+    def compute_ref_and_old_log_prob(self, batch):
+        self.calls.append("ref+old")
+        return DataProto.from_dict(tensors={"ref_log_prob": batch.batch["x"], "old_log_probs": batch.batch["x"]})
+
 
 @pytest.mark.parametrize("overrides, calls", [
-    ([], ["ref", "old"]),  # the recipe subtracts a KL from the reward
+    ([], ["ref+old"]),  # the recipe subtracts a KL from the reward: both forwards, in one call
     (["algorithm.use_kl_in_reward=false"], ["old"]),  # no KL term reads the reference: not computed
-    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"], ["ref", "old"]),
+    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"], ["ref+old"]),
 ])
 def test_reference_logprobs_only_when_a_kl_term_uses_them(overrides, calls):
     import torch
@@ -116,3 +120,30 @@ def test_emitted_plan_names_the_driver_and_maps_its_roles():
 
 def test_ppo_trainer_is_the_ppo_driver():
     assert get_driver("ppo") is PPOTrainer
+
+
+@pytest.mark.parametrize("overrides, calls", [
+    ([], ["ref+old"]),  # KL in the reward and two mini-batches: both forwards, one call
+    # GRPO-style: KL loss, one update on fresh samples: pi_old is the update's own logprobs and only the update reads
+    # the reference logprobs: no call here, the update call computes them
+    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=32"], []),
+    # ... unless pi_old is the rollout's (bypass): then the driver logs rollout/kl from them
+    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=32", "algorithm.bypass_old_log_prob=true"], ["ref"]),
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=32", "algorithm.use_kl_in_reward=false",
+      "algorithm.recompute_old_log_prob=always"], ["old"]),
+])
+def test_ppo_driver_calls_the_actor_group_once_for_its_forwards(overrides, calls):
+    import torch
+
+    from hybridflow.trainer.ppo import PPOTrainer
+
+    from hybridflow.workers.inputs import REF_IN_UPDATE
+
+    cfg = load_config("quickstart", overrides)  # train_batch_size 32
+    actor = RecordingActor()
+    batch = DataProto.from_dict(tensors={"x": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)})
+    PPOTrainer(cfg, actor, None, None).log_probs(batch, {})
+    assert actor.calls == calls
+    assert batch.meta_info.get(REF_IN_UPDATE, False) == (calls == [])  # the update is told to compute them

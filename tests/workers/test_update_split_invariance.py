@@ -108,6 +108,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         for filt in FILTERS:
             actor = _actor(apply_fsdp2(_model(), mesh), _config(mode, B, filt, budget=BUDGET))
             deltas[mode, "budget", filt] = _delta(actor, _batch().chunk(2)[rank], B // 2)
+        for micro in MICROS:  # fsdp_config.reshard_after_forward=false: gathered weights kept to the backward
+            actor = _actor(apply_fsdp2(_model(), mesh, reshard_after_forward=False), _config(mode, micro))
+            deltas[mode, micro, "kept_gathered"] = _delta(actor, _batch().chunk(2)[rank], B // 2)
     for all_truncated in (False, True):  # per-token loss 1, token-mean, overlong filter on
         actor = _actor(apply_fsdp2(_model(), mesh), _config("token-mean", 1, True, entropy_coeff=0.0))
         data = _per_token_loss_one(actor, _batch().chunk(2)[rank], all_truncated)
@@ -151,6 +154,16 @@ def test_gradient_and_logged_loss_independent_of_micro_and_dp_split(mode, overlo
             torch.testing.assert_close(dist_delta[name], ref[name], atol=1e-6, rtol=0, msg=f"{mode} micro={micro} {name}")
         # the logged loss is the whole mini-batch's, not a per-rank or per-micro-batch one
         assert dist_metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradient_unchanged_when_fsdp_keeps_gathered_weights_to_the_backward(mode, dp_deltas):
+    ref, ref_metrics = _reference(mode, False)
+    for micro in MICROS:
+        delta, metrics = dp_deltas[mode, micro, "kept_gathered"]
+        for name in ref:
+            torch.testing.assert_close(delta[name], ref[name], atol=1e-6, rtol=0, msg=f"{mode} micro={micro} {name}")
+        assert metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], abs=1e-6)
 
 
 def test_filtering_changes_the_update():
