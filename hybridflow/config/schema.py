@@ -34,7 +34,7 @@ class FSDPConfig:
     optimizer_offload: bool = False  # keep optimizer state on host memory between phases
     # free each unit's gathered weights after its forward (true: ZeRO-3) or keep them to the backward (false: one
     # all-gather less per unit and micro-batch; a frozen reference keeps them); auto: false for a model whose
-    # weights take <= 1/16 of a rank's memory, without param_offload
+    # weights take <= 1/16 of a rank's memory, without param_offload or LoRA (false is refused with LoRA)
     reshard_after_forward: str = "auto"
 
 

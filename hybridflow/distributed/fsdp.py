@@ -45,7 +45,8 @@ def rank_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
 
 
-def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: str, param_offload: bool) -> bool:
+def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: str, param_offload: bool,
+                                  lora: bool = False) -> bool:
     """FSDP2's ``reshard_after_forward`` from ``fsdp_config.reshard_after_forward`` (``auto``, ``true``,
     ``false``, any case).
 
@@ -53,17 +54,23 @@ def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: 
     (ZeRO-3: least memory, one more all-gather per unit and micro-batch). ``false``: the gathered weights stay until
     the backward is done (ZeRO-2-like; a frozen model, which has no backward, then keeps them: it is in effect
     replicated after its first forward). ``auto``: ``false`` when the full weights take at most
-    ``UNSHARDED_MEMORY_SHARE`` of the rank's memory (:func:`rank_memory_bytes`) and the parameters are not
-    offloaded, else ``true``.
+    ``UNSHARDED_MEMORY_SHARE`` of the rank's memory (:func:`rank_memory_bytes`), the parameters are not offloaded
+    and the model has no LoRA adapters, else ``true``. (With LoRA, kept weights broke the adapters' gradients after
+    the rollout's merged-weight sync in an end-to-end run: ``tests/trainer/test_lora_e2e.py``.)
 
     Raises:
-        ValueError: another value.
+        ValueError: another value, or ``false`` with ``lora``.
     """
     value = str(setting).lower()
+    if value == "false" and lora:
+        raise ValueError("fsdp_config.reshard_after_forward=false is not supported with LoRA adapters "
+                         "(lora_rank > 0): use auto or true")
     if value in ("true", "false"):
         return value == "true"
     if value != "auto":
         raise ValueError(f"fsdp_config.reshard_after_forward must be auto, true or false, got {setting!r}")
+    if lora:
+        return True
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return param_offload or weight_bytes > UNSHARDED_MEMORY_SHARE * rank_memory_bytes(device)
 

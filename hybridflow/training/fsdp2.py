@@ -86,7 +86,8 @@ class FSDP2Engine(TrainEngine):
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
         module = _load_module(spec, weights)
-        reshard = resolve_reshard_after_forward(spec.reshard_after_forward, module, spec.device, spec.param_offload)
+        reshard = resolve_reshard_after_forward(spec.reshard_after_forward, module, spec.device, spec.param_offload,
+                                                spec.lora)
         module = parallelize_model(module.to(spec.device), mesh, reshard_after_forward=reshard,
                                    mp_policy=mixed_precision_policy(compute))
         optimizer = scheduler = None
@@ -112,6 +113,8 @@ class FSDP2Engine(TrainEngine):
 
     # ------------------------------------------------------------------ compute
     def set_train(self, mode: bool) -> None:
+        if mode:  # training starts from the shards (a no-grad forward may have left them gathered:
+            _reshard(self.module)  # reshard_after_forward false), so its forwards gather with autograd on
         self.module.train(mode)
 
     def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,

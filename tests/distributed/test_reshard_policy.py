@@ -33,6 +33,12 @@ def test_cpu_rank_memory_is_host_ram_over_the_local_ranks(monkeypatch):
     assert fsdp.rank_memory_bytes("cpu") == one // 4 and one > 0
 
 
+def test_lora_keeps_zero3_under_auto_and_refuses_false():
+    assert resolve_reshard_after_forward("auto", _model(8), "cpu", param_offload=False, lora=True) is True
+    with pytest.raises(ValueError, match="reshard_after_forward=false is not supported with LoRA"):
+        resolve_reshard_after_forward("false", _model(8), "cpu", param_offload=False, lora=True)
+
+
 def test_other_values_name_the_key():
     with pytest.raises(ValueError, match="reshard_after_forward must be auto, true or false, got 'sometimes'"):
         resolve_reshard_after_forward("sometimes", _model(8), "cpu", param_offload=False)
