@@ -2,10 +2,10 @@
 
 Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON line: seconds per phase (driver
 wall time: generate, reward, reference, old logprobs (or both in one call), values, advantages, critic update,
-actor update), the same phases measured inside the workers (the slowest rank's), the controller's own overhead (step time not spent inside a worker method:
-dispatch, serialization, object store, driver math) as a fraction of the step, and per phase the FLOPs, the
-achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in the same run with the same process/thread
-layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
+actor update), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
+(step time not spent inside a worker method: dispatch, serialization, object store, driver math) as a fraction of
+the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
+the same run with the same process/thread layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
 includes warm-up).
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
@@ -13,7 +13,8 @@ FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backwar
 padding the padded path computes: ``padding_frac`` of the computed tokens, from the actor/critic updates'
 ``perf/*_computed_tokens``); generation counts the valid prompt and response tokens (useful FLOPs).
 
-    python benchmarks/step_profile.py [--steps 4] [--recipe quickstart] [--model builtin:tiny-arith|medium|DIR] [key=value ...]
+    python benchmarks/step_profile.py [--steps 4] [--recipe quickstart] [--model builtin:tiny-arith|medium|DIR]
+                                      [key=value ...]
 """
 
 from __future__ import annotations

@@ -39,11 +39,12 @@ logger = logging.getLogger(__name__)
 
 Index = Union[int, slice, Sequence[int], np.ndarray, torch.Tensor]
 
-__all__ = ["RANK_SECONDS_PREFIX", "DataProto", "pad_dataproto_to_divisor", "unpad_dataproto"]
+__all__ = ["WORKER_TIME_PREFIX", "DataProto", "pad_dataproto_to_divisor", "unpad_dataproto"]
 
-#: ``meta_info`` keys with this prefix hold one rank's seconds inside a worker method; collecting the ranks' outputs
-#: keeps the slowest counted rank's (``hybridflow.controller.dispatch.collect_dp_compute_data_proto``)
-RANK_SECONDS_PREFIX = "worker_s/"
+#: ``meta_info`` keys with this prefix hold one rank's seconds inside a worker method, one key per method
+#: (``hybridflow.workers.timing.report_time``); collecting the ranks' outputs keeps the slowest counted rank's
+#: (``hybridflow.controller.dispatch.collect_dp_compute_data_proto``)
+WORKER_TIME_PREFIX = "worker_s/"
 
 
 def _to_object_array(values: Sequence[Any]) -> np.ndarray:

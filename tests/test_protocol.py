@@ -311,7 +311,7 @@ def test_pickled_chunk_does_not_carry_parent_storage():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool])
 def test_pickle_keeps_dtype_values_and_gives_writable_tensors(dtype):
-    # bf16 has no numpy dtype: it travels as its int16 bit pattern and must come back bit-identical
+    # a chunk (a view) comes back as its own tensor: same dtype and values, writable, not sharing the sender's memory
     values = (torch.arange(-6, 6).reshape(3, 4) * 0.37).to(dtype)
     sent = values.clone()
     back = pickle.loads(pickle.dumps(DataProto.from_dict(tensors={"t": values})[1:], protocol=5))

@@ -47,7 +47,7 @@ import ray
 
 from hybridflow.controller.decorator import Dispatch
 from hybridflow.controller.futures import DataProtoFuture
-from hybridflow.protocol import RANK_SECONDS_PREFIX, DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.registry import Registry
 
 __all__ = [
@@ -289,7 +289,7 @@ def collect_rank_zero(outputs: list) -> Any:
 
 
 def collect_dp_compute_data_proto(outputs: list) -> DataProto:
-    """Concatenate the counted outputs in order (``meta_info`` from the first, ``RANK_SECONDS_PREFIX`` keys the
+    """Concatenate the counted outputs in order (``meta_info`` from the first, ``WORKER_TIME_PREFIX`` keys the
     maximum over them). Raises ``TypeError`` naming the first non-DataProto output."""
     for i, out in enumerate(outputs):
         if not isinstance(out, DataProto):
@@ -298,7 +298,7 @@ def collect_dp_compute_data_proto(outputs: list) -> DataProto:
                 f"{len(outputs)} is a {type(out).__name__}"
             )
     merged = DataProto.concat(outputs)
-    for key in [k for k in merged.meta_info if k.startswith(RANK_SECONDS_PREFIX)]:
+    for key in [k for k in merged.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
         merged.meta_info[key] = max(out.meta_info.get(key, 0.0) for out in outputs)
     return merged
 

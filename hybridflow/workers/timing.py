@@ -5,16 +5,9 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from hybridflow.protocol import DataProto
-
-from hybridflow.protocol import RANK_SECONDS_PREFIX
-
-#: prefix of the meta_info keys that carry worker-side seconds, one key per method (collected as the slowest
-#: rank's)
-WORKER_TIME_PREFIX = RANK_SECONDS_PREFIX
+from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto
 
 
 def report_time(fn: Callable[..., DataProto]) -> Callable[..., DataProto]:
