@@ -99,7 +99,7 @@ def test_no_source_names_a_path_outside_the_repository():
 
 
 @pytest.mark.parametrize("text", [
-    "actor_rollout_ref.model.path=/tmp/tiny", "/work/main/.venv/bin/python", '"/root/data.parquet"',
+    "actor_rollout_ref.model.path=/tmp/tiny", "/opt/venvs/hf/bin/python", '"/root/data.parquet"',
     "trainer.default_local_dir=/home/user/runs", "--input /data/gsm8k/test.jsonl", "/mnt/shared/ckpt",
 ])
 def test_guard_catches_machine_paths(text):
