@@ -100,6 +100,22 @@ def parallel_layout_problems(get: Callable[[str], Any]) -> list[str]:
     return problems
 
 
+def fsdp_size_problems(get: Callable[[str], Any]) -> list[str]:
+    """``fsdp_config.fsdp_size`` of the actor and the critic: ``auto``, ``-1`` (shard over every dp rank) or ``1``
+    (replicate; not with the actor's fsdp2 tensor parallelism). Hybrid sharding (another size) is not implemented."""
+    problems = []
+    for section in ("actor_rollout_ref.actor", "critic"):
+        value = str(get(f"{section}.fsdp_config.fsdp_size")).lower()
+        if value not in ("auto", "-1", "1"):
+            problems.append(f"{section}.fsdp_config.fsdp_size must be auto, -1 (shard over every dp rank) or 1 "
+                            f"(replicate), got {value!r} (hybrid sharding is not implemented)")
+    tp = get("actor_rollout_ref.actor.tensor_model_parallel_size")
+    if str(get("actor_rollout_ref.actor.fsdp_config.fsdp_size")) == "1" and tp > 1:
+        problems.append(f"actor_rollout_ref.actor.fsdp_config.fsdp_size=1 (replicated) is not supported with "
+                        f"actor_rollout_ref.actor.tensor_model_parallel_size={tp}: use -1 or auto")
+    return problems
+
+
 def driver_problems(get: Callable[[str], Any]) -> list[str]:
     """``algorithm.driver`` names a registered driver (:mod:`hybridflow.trainer.driver`); an estimator that one
     driver owns (registry metadata ``owns_estimators``: ReMax's greedy baseline) runs under it; every optional

@@ -32,8 +32,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems,
-                                      driver_problems, logger_problems, need_critic_for, parallel_layout_problems,
+from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
+                                      fsdp_size_problems, logger_problems, need_critic_for, parallel_layout_problems,
                                       reward_fn_problems, rollout_package_problems, score_model_problems,
                                       strategy_problems)
 from hybridflow.config.layouts import apply_layouts
@@ -421,7 +421,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: logger_problems(get("trainer.logger")), lambda: rollout_package_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
-               lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get)]
+               lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get),
+               lambda: fsdp_size_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

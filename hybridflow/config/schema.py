@@ -36,6 +36,10 @@ class FSDPConfig:
     # all-gather less per unit and micro-batch; a frozen reference keeps them); auto: false for a model whose
     # weights take <= 1/16 of a rank's memory, without param_offload or LoRA (false is refused with LoRA)
     reshard_after_forward: str = "auto"
+    # the group a parameter is sharded over (verl's key): -1 = every dp rank (FSDP2), 1 = none (each rank holds the
+    # whole model, gradients averaged once per optimizer step: no gathers per micro-batch); auto: 1 when weights,
+    # gradients and AdamW state take <= 1/16 of a rank's memory, without param_offload, LoRA or tp
+    fsdp_size: Any = "auto"
 
 
 @dataclass

@@ -12,6 +12,7 @@ response tokens, V vocabulary.
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import time
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -213,6 +214,9 @@ class HFRollout(BaseRollout):
         cache = DynamicCache(config=self.module.config)
         step_ids, step_positions = input_ids, position_ids
         mask = attention_mask
+        # the output head on the last position only (the prompt's other positions are never read)
+        last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(self.module).forward).parameters \
+            else {}
         for step in range(length):
             output = self.module(
                 input_ids=step_ids,
@@ -220,6 +224,7 @@ class HFRollout(BaseRollout):
                 position_ids=step_positions,
                 past_key_values=cache,
                 use_cache=True,
+                **last,
             )
             logits = output.logits[:, -1, :].float()
             tokens, token_log_probs = _next_tokens(

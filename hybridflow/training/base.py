@@ -104,6 +104,8 @@ class EngineSpec:
         param_offload / optimizer_offload: what :meth:`TrainEngine.offload` moves to host memory.
         reshard_after_forward: ``auto``, ``true`` or ``false``
             (:func:`hybridflow.distributed.resolve_reshard_after_forward`; engines without it ignore it).
+        fsdp_size: ``auto``, ``-1`` (shard over every dp rank) or ``1`` (replicate)
+            (:func:`hybridflow.distributed.replicate.resolve_fsdp_size`; engines without it ignore it).
         lora: wrap the model with LoRA adapters (peft) before sharding; only they train (a value model's head too).
         lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``;
             the critic passes ``critic.model`` while loading the actor's weights when it has no path of its own).
@@ -123,6 +125,7 @@ class EngineSpec:
     param_offload: bool = False
     optimizer_offload: bool = False
     reshard_after_forward: str = "auto"
+    fsdp_size: Any = "auto"
     lora: bool = False
     lora_config: Any = None
     remove_padding: bool = False

@@ -1,5 +1,7 @@
 """The ``fsdp2`` training engine: FSDP2 (``fully_shard``) over dp, DTensor tensor parallelism over tp inside it
-(:func:`hybridflow.distributed.tp.parallelize_model`), AdamW, host offload, ``torch.distributed.checkpoint``.
+(:func:`hybridflow.distributed.tp.parallelize_model`), AdamW, host offload, ``torch.distributed.checkpoint``. A model
+small enough to hold whole on every rank is replicated instead (``fsdp_config.fsdp_size``:
+:mod:`hybridflow.distributed.replicate`): plain tensors, gradients averaged once per optimizer step.
 
 Shapes: (B, R) = sequences of the micro-batch, response tokens; (B, L) = prompt + response tokens; V vocabulary.
 """
@@ -18,6 +20,7 @@ from hybridflow.distributed import (build_mesh, iter_full_state, offload_module,
                                     onload_optimizer, parallelize_model, resolve_reshard_after_forward)
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
+from hybridflow.distributed.replicate import all_reduce_gradients, resolve_fsdp_size
 from hybridflow.distributed.tp import tp_dims
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
@@ -69,8 +72,11 @@ class FSDP2Engine(TrainEngine):
     """
 
     def __init__(self, spec: EngineSpec, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
-                 lr_scheduler: Any = None, mesh: Optional[DeviceMesh] = None) -> None:
+                 lr_scheduler: Any = None, mesh: Optional[DeviceMesh] = None, replicated: bool = False,
+                 autocast_dtype: Optional[torch.dtype] = None) -> None:
         self.spec = spec
+        self.replicated = replicated  # plain full tensors on every dp rank (not FSDP2 shards)
+        self.autocast_dtype = autocast_dtype  # replicated mixed precision: forwards under torch.autocast
         self.layout = spec.layout
         self.module = module
         self.optimizer = optimizer
@@ -86,30 +92,38 @@ class FSDP2Engine(TrainEngine):
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
         module = _load_module(spec, weights)
-        reshard = resolve_reshard_after_forward(spec.reshard_after_forward, module, spec.device, spec.param_offload,
-                                                spec.lora)
-        module = parallelize_model(module.to(spec.device), mesh, reshard_after_forward=reshard,
-                                   mp_policy=mixed_precision_policy(compute))
+        replicated = resolve_fsdp_size(spec.fsdp_size, module, spec.device, trained=spec.optim is not None,
+                                       param_offload=spec.param_offload, lora=spec.lora, tp=spec.layout.tp,
+                                       dp=spec.layout.dp)
+        autocast = compute if replicated and compute not in (None, weights) else None
+        if replicated:
+            module = module.to(spec.device)
+        else:
+            reshard = resolve_reshard_after_forward(spec.reshard_after_forward, module, spec.device,
+                                                    spec.param_offload, spec.lora)
+            module = parallelize_model(module.to(spec.device), mesh, reshard_after_forward=reshard,
+                                       mp_policy=mixed_precision_policy(compute))
         optimizer = scheduler = None
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
             scheduler = build_lr_scheduler(optimizer, spec.optim, spec.total_steps)
-        return cls(spec, module, optimizer, scheduler, mesh)
+        return cls(spec, module, optimizer, scheduler, mesh, replicated, autocast)
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     kind: str = "policy", mesh: Optional[DeviceMesh] = None, grad_clip: float = 1.0,
                     nonfinite_grad: str = "skip", role: str = "actor", param_offload: bool = False,
                     optimizer_offload: bool = False, lr_scheduler: Any = None,
-                    remove_padding: bool = False) -> "FSDP2Engine":
-        """An engine over an existing module (FSDP2-sharded on ``mesh``, or plain when ``mesh`` is None)."""
+                    remove_padding: bool = False, replicated: bool = False) -> "FSDP2Engine":
+        """An engine over an existing module (FSDP2-sharded on ``mesh``, or plain when ``mesh`` is None;
+        ``replicated``: plain on every rank of ``mesh``, gradients averaged over it in :meth:`optimizer_step`)."""
         tp = mesh["tp"].size() if mesh is not None and mesh.ndim == 2 else 1
         world = mesh.size() if mesh is not None else 1
         spec = EngineSpec(kind=kind, model=None, layout=ParallelLayout(dp=world // tp, tp=tp),
                           device=next(module.parameters()).device.type, grad_clip=grad_clip,
                           nonfinite_grad=nonfinite_grad, param_offload=param_offload,
                           optimizer_offload=optimizer_offload, role=role, remove_padding=remove_padding)
-        return cls(spec, module, optimizer, lr_scheduler, mesh)
+        return cls(spec, module, optimizer, lr_scheduler, mesh, replicated)
 
     # ------------------------------------------------------------------ compute
     def set_train(self, mode: bool) -> None:
@@ -119,6 +133,13 @@ class FSDP2Engine(TrainEngine):
 
     def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
                 entropy: bool = False) -> dict[str, torch.Tensor]:
+        if self.autocast_dtype is None:
+            return self._forward(micro, sampling, entropy)
+        # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does when sharded
+        with torch.autocast(self.spec.device, dtype=self.autocast_dtype):
+            return self._forward(micro, sampling, entropy)
+
+    def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
         b = micro.batch
         if self.spec.kind == "score":
             if self.spec.remove_padding:  # one packed row of the valid tokens
@@ -140,6 +161,8 @@ class FSDP2Engine(TrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> tuple[float, bool]:
+        if self.replicated:  # the dp mean FSDP2's reduce-scatter would have taken
+            all_reduce_gradients(self.module.parameters(), self.mesh.get_group() if self.mesh is not None else None)
         grad_norm, skipped = apply_gradients(self.module, self.optimizer, self.spec.grad_clip,
                                              self.spec.nonfinite_grad, self.spec.role)
         self.skipped_steps += int(skipped)
@@ -161,7 +184,8 @@ class FSDP2Engine(TrainEngine):
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         dims = tp_dims(self.module, "train") if self.layout.tp > 1 else {}
-        return {name: WeightSpec(tuple(p.shape), p.element_size(), dims.get(name))
+        dp_dim = None if self.replicated else 0  # replicated: every dp rank holds the whole tensor
+        return {name: WeightSpec(tuple(p.shape), p.element_size(), dims.get(name), dp_dim)
                 for name, p in self.module.named_parameters()}
 
     # ------------------------------------------------------------------ state

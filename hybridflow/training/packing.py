@@ -32,6 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hybridflow.protocol import DataProto
 
 VARLEN_ATTENTION = "hybridflow_varlen"
+_PLAIN_ATTENTION_KWARGS = {"position_ids", "use_cache", "cache_position"}  # kwargs that do not change attention
 _FLASH_PREFIX = "flash_attention"
 
 
@@ -44,6 +45,8 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     (or with a KV cache: key length != query length) it is ``sdpa_attention_forward`` unchanged."""
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None or query.shape[2] != key.shape[2]:
+        if _masked_gqa(module, query, attention_mask, kwargs):
+            return _gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
@@ -53,6 +56,25 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                    scaling=scaling, is_causal=True, **kwargs)[0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     return torch.cat(outs, dim=1), None
+
+
+def _masked_gqa(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
+                kwargs: dict) -> bool:
+    """Whether a masked grouped-query attention on CPU should skip transformers' ``repeat_kv``: its sdpa path
+    copies every key/value head ``num_key_value_groups`` times when a mask is given (each decode step of the hf
+    rollout, over the whole KV cache), while torch's CPU SDPA takes ``enable_gqa`` with a boolean mask."""
+    return (query.device.type == "cpu" and getattr(module, "num_key_value_groups", 1) > 1
+            and attention_mask is not None and attention_mask.dtype == torch.bool
+            and set(kwargs) <= _PLAIN_ATTENTION_KWARGS and not getattr(module, "training", False))
+
+
+def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor, dropout: float, scaling: float | None) -> torch.Tensor:
+    """SDPA with ``enable_gqa`` over (B, H, Q, D) / (B, H_kv, K, D); returns (B, Q, H, D) like transformers."""
+    mask = attention_mask[:, :, :, : key.shape[-2]]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)

@@ -156,7 +156,7 @@ class ActorRolloutRefWorker(Worker):
                 total_steps=inputs.total_training_steps, grad_clip=cfg.actor.grad_clip,
                 nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
                 optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
-                lora=self._lora, role="actor", remove_padding=cfg.model.use_remove_padding))
+                fsdp_size=fsdp.fsdp_size, lora=self._lora, role="actor", remove_padding=cfg.model.use_remove_padding))
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=inputs.loss_scale_factor)
         if self._has_rollout:
             self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, self.tokenizer)
@@ -166,6 +166,7 @@ class ActorRolloutRefWorker(Worker):
         elif self._has_ref:
             ref = engine_cls.build(EngineSpec(kind="policy", model=cfg.model, layout=layout, device=self.device,
                                               reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
+                                              fsdp_size=cfg.actor.fsdp_config.fsdp_size,
                                               role="ref", remove_padding=cfg.model.use_remove_padding))
             self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
 

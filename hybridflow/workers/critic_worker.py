@@ -62,6 +62,7 @@ class CriticWorker(Worker):
             optim=cfg.optim, total_steps=inputs.total_training_steps, grad_clip=cfg.grad_clip,
             nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
             optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward, role="critic",
+            fsdp_size=fsdp.fsdp_size,
             lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model,  # critic.model.lora_*: backbone adapters
             remove_padding=model_cfg.use_remove_padding))
         self.critic = PPOCritic(engine, None, cfg)

@@ -153,7 +153,9 @@ def test_rollout_probe_check_cuts_to_the_rollout_context():
     ids = lora.probe_ids(model.config.vocab_size, "cpu")
     expected = lora.greedy_logprobs(model, ids)[1]
     prefix = lora.greedy_logprobs(model, ids[:, :5])[1]  # causal: the first 5 positions of the full probe
-    assert lora_sync.check_probe(expected, prefix, "float32")["sync/probe_max_abs_diff"] <= 1e-6
+    # float rounding only: a 5-token and a full-length forward block their matmuls differently (1.6e-6 seen on a
+    # Xeon with AMX, 0 elsewhere)
+    assert lora_sync.check_probe(expected, prefix, "float32")["sync/probe_max_abs_diff"] <= 1e-5
     stale = lora.greedy_logprobs(load_causal_lm(BASE, torch.float32), ids[:, :5])[1]
     with pytest.raises(RuntimeError, match="LoRA weight sync failed"):
         lora_sync.check_probe(expected, stale, "float32")

@@ -20,6 +20,9 @@ from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
 
+# logprobs of one policy from two fp32 computations (rollout vs trainer, merged vs adapters): rounding only
+LOGPROB_ATOL = 5e-5
+
 
 def _base_log_probs(batch: DataProto) -> torch.Tensor:
     """Logprobs (B, R) of the responses under a freshly loaded base model (no peft, no FSDP)."""
@@ -134,7 +137,9 @@ def test_lora_worker_trains_adapters_syncs_and_refs_base(tmp_path, merged_run, s
     # the rollout generates from the updated policy: its greedy tokens' logprobs equal the trainer's
     mask = res["mask1"].bool()
     assert res["sync"]["sync/verified"] == 1.0 and res["sync"]["sync/probe_max_abs_diff"] <= 1e-5
-    assert (res["rollout_lp1"] - res["trainer_lp1"])[mask].abs().max() <= 1e-5
+    # fp32 rounding of two different forwards (KV-cache decode vs one training forward): up to 1.5e-5 seen on a
+    # Xeon with AMX; a stale rollout is off by more than the 1e-3 the update moves the policy (checked below)
+    assert (res["rollout_lp1"] - res["trainer_lp1"])[mask].abs().max() <= LOGPROB_ATOL
     # ... and that policy moved away from the base (the update reached the rollout, not only the trainer)
     assert (res["trainer_lp1"] - res["ref1"])[mask].abs().max() > 1e-3
     # both forwards in one call give what the two calls give (the adapters back on for the actor's)
@@ -179,4 +184,4 @@ def test_lora_export_merged_and_adapter_only(merged_run, tmp_path):
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
     peft_model = PeftModel.from_pretrained(load_causal_lm("builtin:tiny-arith", torch.float32), adapter_dir)
     for model in (merged, peft_model):
-        assert (_log_probs(model, batch) - res["trainer_lp1"])[mask].abs().max() <= 1e-5
+        assert (_log_probs(model, batch) - res["trainer_lp1"])[mask].abs().max() <= LOGPROB_ATOL

@@ -121,6 +121,29 @@ def test_response_rows_match_and_varlen_module_still_runs_padded_forwards_and_ge
     assert torch.equal(generated_after, generated)
 
 
+def test_masked_decode_attends_grouped_kv_heads_without_copies_and_same_logits(monkeypatch):
+    """A varlen module's masked forwards on CPU (prompt prefill, each KV-cache decode step) run SDPA with
+    ``enable_gqa`` instead of transformers' repeated key/value heads; the generation's logits are the plain sdpa
+    module's, exactly."""
+    from hybridflow.training import packing
+
+    data = _batch()
+    prompts, prompt_mask = data.batch["input_ids"][:, :P], data.batch["attention_mask"][:, :P]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        plain = _lm().eval().generate(input_ids=prompts, attention_mask=prompt_mask, **kwargs)
+        model = _lm().eval()
+        packing.use_varlen_attention(model)
+        calls = []
+        real = packing._gqa_sdpa
+        monkeypatch.setattr(packing, "_gqa_sdpa", lambda *a: calls.append(a[2].shape) or real(*a))
+        grouped = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kwargs)
+    assert len(calls) == 4 * 2 and calls[-1][1] == 2  # 4 forwards x 2 layers, keys with their 2 kv heads
+    assert torch.equal(grouped.sequences, plain.sequences)
+    for a, b in zip(grouped.logits, plain.logits):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
 # ----------------------------------------------------------------------------------------- 2 gloo ranks, FSDP2
 def _actor_cfg(dynamic: bool):
     cfg = OmegaConf.structured(ActorConfig)
