@@ -58,17 +58,19 @@ if python -c 'import sys; from hybridflow.distributed.precision import bf16_is_f
   run compare_trl_tiny_bf16 python benchmarks/compare_trl.py --dtype bfloat16 --trl-threads 1,2
 fi
 
-# quickstart step profile: controller overhead (target <= 5%), padding fraction (<= 10% with use_remove_padding)
-run step_profile_padded python benchmarks/step_profile.py --steps 4
-run step_profile_packed python benchmarks/step_profile.py --steps 4 actor_rollout_ref.model.use_remove_padding=true \
+# quickstart step profile: controller overhead (target <= 5%), padding fraction (<= 10% with use_remove_padding);
+# the step profiles compute in fp32 (their matmul-rate fractions are against a same-run fp32 matmul loop)
+FP32="actor_rollout_ref.model.dtype=float32 critic.model.dtype=float32"
+run step_profile_padded python benchmarks/step_profile.py --steps 4 $FP32
+run step_profile_packed python benchmarks/step_profile.py --steps 4 $FP32 actor_rollout_ref.model.use_remove_padding=true \
   critic.model.use_remove_padding=true actor_rollout_ref.actor.use_dynamic_bsz=true critic.use_dynamic_bsz=true
 # compare_trl's GRPO shape (8 prompts x 4, one update per step, KL loss: the reference runs inside the update call)
-run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_quickstart data.train_batch_size=8 \
+run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_quickstart $FP32 data.train_batch_size=8 \
   data.builtin_train_size=48 actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=8 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.model.use_remove_padding=true \
   actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
 # training phases at the medium shape vs the matmul rate (target >= 70%)
-run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium \
+run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium $FP32 \
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
 
 # async vs sync (target >= 1.6)
