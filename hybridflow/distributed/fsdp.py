@@ -45,6 +45,13 @@ def rank_memory_bytes(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local)
 
 
+def fits_unsharded(model: torch.nn.Module, device: str, copies: int = 1) -> bool:
+    """Whether ``copies`` x ``model``'s full weight bytes fit in ``UNSHARDED_MEMORY_SHARE`` of a rank's memory
+    (:func:`rank_memory_bytes`): the size rule of the ``auto`` settings that keep weights whole on a rank."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return copies * weight_bytes <= UNSHARDED_MEMORY_SHARE * rank_memory_bytes(device)
+
+
 def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: str, param_offload: bool,
                                   lora: bool = False) -> bool:
     """FSDP2's ``reshard_after_forward`` from ``fsdp_config.reshard_after_forward`` (``auto``, ``true``,
@@ -71,8 +78,7 @@ def resolve_reshard_after_forward(setting: str, model: torch.nn.Module, device: 
         raise ValueError(f"fsdp_config.reshard_after_forward must be auto, true or false, got {setting!r}")
     if lora:
         return True
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return param_offload or weight_bytes > UNSHARDED_MEMORY_SHARE * rank_memory_bytes(device)
+    return param_offload or not fits_unsharded(model, device)
 
 
 def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from hybridflow.distributed.fsdp import UNSHARDED_MEMORY_SHARE, rank_memory_bytes
+from hybridflow.distributed.fsdp import fits_unsharded
 
 #: bytes per parameter byte a trained replicated model keeps on every rank: weights, gradients, AdamW's two moments
 TRAINED_STATE_COPIES = 4
@@ -32,7 +32,7 @@ def resolve_fsdp_size(setting, model: torch.nn.Module, device: str, *, trained: 
     ``-1`` or ``dp``: shard over every dp rank (FSDP2). ``1``: replicate (no sharding). ``auto``: replicate when
     every rank can hold the whole training state (weights, and for a trained model gradients and AdamW moments:
     :data:`TRAINED_STATE_COPIES` x the weights) in ``UNSHARDED_MEMORY_SHARE`` of its memory
-    (:func:`hybridflow.distributed.fsdp.rank_memory_bytes`), and nothing asks for sharding: no ``param_offload``,
+    (:func:`hybridflow.distributed.fsdp.fits_unsharded`), and nothing asks for sharding: no ``param_offload``,
     no LoRA adapters, no tensor parallelism; else shard. (bf16 compute over fp32 weights: the engine runs a
     replicated model's forwards under ``torch.autocast``.)
 
@@ -44,9 +44,7 @@ def resolve_fsdp_size(setting, model: torch.nn.Module, device: str, *, trained: 
     if value == "auto":
         if param_offload or lora or tp > 1:
             return False
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        copies = TRAINED_STATE_COPIES if trained else 1
-        return copies * weight_bytes <= UNSHARDED_MEMORY_SHARE * rank_memory_bytes(device)
+        return fits_unsharded(model, device, TRAINED_STATE_COPIES if trained else 1)
     try:
         size = int(value)
     except ValueError:

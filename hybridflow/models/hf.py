@@ -7,6 +7,7 @@ row finished, never by comparing tokens with the pad id.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from typing import Any
@@ -67,6 +68,12 @@ def get_eos_token_ids(path: str, tokenizer: Any) -> list[int]:
     if not ids:
         raise ValueError(f"model at {path!r} defines no eos token (tokenizer or generation_config)")
     return sorted(set(ids))
+
+
+def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward takes transformers' ``logits_to_keep`` (run the output head on the last
+    positions, or on given positions, only)."""
+    return "logits_to_keep" in inspect.signature(type(module).forward).parameters
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:

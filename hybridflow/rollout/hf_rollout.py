@@ -12,7 +12,6 @@ response tokens, V vocabulary.
 from __future__ import annotations
 
 import difflib
-import inspect
 import logging
 import time
 from typing import Any, Iterable, Optional, Sequence, Union
@@ -211,12 +210,13 @@ class HFRollout(BaseRollout):
         finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
         from transformers import DynamicCache  # here: importing the rollout registry stays light
 
+        from hybridflow.models.hf import accepts_logits_to_keep
+
         cache = DynamicCache(config=self.module.config)
         step_ids, step_positions = input_ids, position_ids
         mask = attention_mask
         # the output head on the last position only (the prompt's other positions are never read)
-        last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(self.module).forward).parameters \
-            else {}
+        last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.module) else {}
         for step in range(length):
             output = self.module(
                 input_ids=step_ids,

@@ -21,7 +21,6 @@ Shapes: B sequences, P prompt width, R response width, T valid tokens, V vocabul
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.models.hf import accepts_logits_to_keep
 from hybridflow.protocol import DataProto
 
 VARLEN_ATTENTION = "hybridflow_varlen"
@@ -46,7 +46,7 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None or query.shape[2] != key.shape[2]:
         if _masked_gqa(module, query, attention_mask, kwargs):
-            return _gqa_sdpa(module, query, key, value, attention_mask, dropout, scaling), None
+            return _gqa_sdpa(query, key, value, attention_mask, dropout, scaling), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
@@ -68,8 +68,8 @@ def _masked_gqa(module: torch.nn.Module, query: torch.Tensor, attention_mask: to
             and set(kwargs) <= _PLAIN_ATTENTION_KWARGS and not getattr(module, "training", False))
 
 
-def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor, dropout: float, scaling: float | None) -> torch.Tensor:
+def _gqa_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+              dropout: float, scaling: float | None) -> torch.Tensor:
     """SDPA with ``enable_gqa`` over (B, H, Q, D) / (B, H_kv, K, D); returns (B, Q, H, D) like transformers."""
     mask = attention_mask[:, :, :, : key.shape[-2]]
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
@@ -194,13 +194,10 @@ def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_
     flat_index = mask.bool().flatten().nonzero().flatten()
     row, col = flat_index // width, flat_index % width
     keep = (col >= prompt_len - 1) & (col < width - 1)  # the tokens whose output predicts/scores a response slot
-    head_only = _accepts_logits_to_keep(module)
+    head_only = accepts_logits_to_keep(module)
     out, _ = _packed_outputs(module, micro, keep.nonzero().flatten() if head_only else None)
     out = out if head_only else out[keep]
     result = out.new_zeros(rows * response_length, out.shape[-1])
     target = row[keep] * response_length + col[keep] - (prompt_len - 1)
     return result.index_copy(0, target, out).view(rows, response_length, out.shape[-1])
 
-
-def _accepts_logits_to_keep(module: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(type(module).forward).parameters

@@ -9,7 +9,7 @@ import torch
 from helpers.gloo import spawn_ranks
 from hybridflow.config import load_config
 from hybridflow.config.loader import ConfigError
-from hybridflow.distributed import replicate
+from hybridflow.distributed import fsdp, replicate
 from hybridflow.distributed.fsdp import UNSHARDED_MEMORY_SHARE
 from hybridflow.distributed.replicate import TRAINED_STATE_COPIES, all_reduce_gradients, resolve_fsdp_size
 
@@ -25,7 +25,7 @@ def _resolve(setting, model, **kw):
 
 def test_auto_replicates_only_a_model_whose_training_state_fits_the_share(monkeypatch):
     memory = 16 * 4 * 4000  # the share is 16000 bytes: 4000 fp32 values
-    monkeypatch.setattr(replicate, "rank_memory_bytes", lambda device: memory)
+    monkeypatch.setattr(fsdp, "rank_memory_bytes", lambda device: memory)
     assert UNSHARDED_MEMORY_SHARE * memory == 16000 and TRAINED_STATE_COPIES == 4
     assert _resolve("auto", _model(1000)) is True  # weights, grads, 2 moments = exactly the share
     assert _resolve("auto", _model(1001)) is False

@@ -136,7 +136,7 @@ def test_masked_decode_attends_grouped_kv_heads_without_copies_and_same_logits(m
         packing.use_varlen_attention(model)
         calls = []
         real = packing._gqa_sdpa
-        monkeypatch.setattr(packing, "_gqa_sdpa", lambda *a: calls.append(a[2].shape) or real(*a))
+        monkeypatch.setattr(packing, "_gqa_sdpa", lambda *a: calls.append(a[1].shape) or real(*a))
         grouped = model.generate(input_ids=prompts, attention_mask=prompt_mask, **kwargs)
     assert len(calls) == 4 * 2 and calls[-1][1] == 2  # 4 forwards x 2 layers, keys with their 2 kv heads
     assert torch.equal(grouped.sequences, plain.sequences)
