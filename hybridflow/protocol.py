@@ -20,7 +20,8 @@ Copy rules (one rule for every method):
 * Tensors and arrays are shared with ``self`` where torch/numpy share them: contiguous slices are views,
   index arrays (lists, masks, ``repeat``, ``reorder``, padding) produce copies. ``select(deepcopy=True)``
   copies everything. Object arrays hold references: a repeated row's ``dict`` is the same object.
-* Pickling (what Ray does) writes only the bytes a tensor view covers, not its whole parent storage.
+* Pickling (what Ray does) writes only the bytes a tensor view covers, not its whole parent storage, and carries
+  CPU tensors as numpy buffers (torch's own tensor pickling is ~40x slower for small tensors).
 
 This module imports neither Ray nor ``torch.distributed``.
 """
@@ -97,6 +98,32 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     if t.layout == torch.strided and t.untyped_storage().nbytes() > t.numel() * t.element_size():
         return t.clone(memory_format=torch.contiguous_format)
     return t
+
+
+def _to_wire(t: torch.Tensor) -> Any:
+    """A picklable form of ``t`` that is cheap to (un)pickle: a CPU strided tensor becomes ``(array, dtype)``,
+    a numpy array of its bytes (``dtype`` None when numpy has the tensor's dtype, else the torch dtype whose bytes
+    the ``uint8`` array holds: bf16, fp8). Other tensors (CUDA, sparse, requiring grad) stay tensors.
+
+    Why: torch pickles a CPU storage through ``torch.save`` into bytes (~0.15 ms per small tensor each way, measured
+    with 16x96 tensors), while a numpy array pickles its buffer as is (and out of band under Ray's pickle 5); a
+    worker-group call moves a dozen tensors four times (driver -> rank -> driver)."""
+    if t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad:
+        return t
+    t = t.contiguous()
+    try:
+        return t.numpy(), None
+    except TypeError:  # a dtype numpy lacks: carry the bytes
+        return t.view(torch.uint8).numpy(), t.dtype  # (..., n * itemsize); DataProto tensors are never 0-d
+
+
+def _from_wire(value: Any) -> torch.Tensor:
+    """The tensor :func:`_to_wire` encoded (its own writable memory)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    array, dtype = value
+    tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+    return tensor if dtype is None else tensor.view(dtype)
 
 
 @dataclass(eq=False)
@@ -495,8 +522,12 @@ class DataProto:
     def __getstate__(self) -> dict:
         # A slice/chunk is a view; plain pickling of a view writes its parent's whole storage.
         state = dict(self.__dict__)
-        state["batch"] = {k: _compact(v) for k, v in self.batch.items()}
+        state["batch"] = {k: _to_wire(_compact(v)) for k, v in self.batch.items()}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.batch = {k: _from_wire(v) for k, v in self.batch.items()}
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:

@@ -322,6 +322,20 @@ def test_pickle_keeps_dtype_values_and_gives_writable_tensors(dtype):
     assert torch.equal(values, sent)
 
 
+def test_pickle_carries_cpu_tensors_as_numpy_buffers():
+    # torch's own tensor pickling (torch.save of the storage) is what the wire form avoids; values, dtypes and
+    # shapes survive, a transposed (non-contiguous) tensor included
+    d = DataProto.from_dict(tensors={"t": torch.arange(12.0).reshape(3, 4).t().contiguous().t()[:2],
+                                     "h": torch.linspace(-2, 2, 6).reshape(2, 3).bfloat16()})
+    data = pickle.dumps(d, protocol=5)
+    assert b"_rebuild_tensor" not in data and b"_load_from_bytes" not in data
+    back = pickle.loads(data)
+    assert not d.batch["t"].is_contiguous()
+    assert torch.equal(back.batch["t"], torch.tensor([[0.0, 1, 2, 3], [4, 5, 6, 7]]))
+    assert back.batch["h"].dtype == torch.bfloat16
+    assert back.batch["h"].float().tolist() == [[-2.0, -1.203125, -0.400390625], [0.400390625, 1.203125, 2.0]]
+
+
 def test_pickle_keeps_a_tensor_that_needs_grad():
     w = torch.ones(2, 3, requires_grad=True)
     back = pickle.loads(pickle.dumps(DataProto.from_dict(tensors={"w": w})))

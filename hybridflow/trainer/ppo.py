@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto
 from hybridflow.trainer.driver import Driver, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
@@ -66,10 +67,9 @@ class PPOTrainer(Driver):
             :class:`~hybridflow.workers.reward_worker.RuleRewardWorker` group or a
             :class:`~hybridflow.trainer.scoring.RewardScorer` (rule + reward model).
 
-    The phases other drivers reuse: :meth:`pop_prompts`, :meth:`generate_and_score`, :meth:`score`,
-    :meth:`log_probs`, :meth:`values`, :meth:`kl_rewards`, :meth:`rewards_and_advantages`, :meth:`update_critic`,
-    :meth:`update_actor`, :meth:`train_on`,
-    :meth:`step_metrics`; their checkpoint tables start from :meth:`checkpointed_groups` and
+    The phases other drivers reuse: :meth:`pop_prompts`, :meth:`generate`, :meth:`generate_and_score`,
+    :meth:`score`, :meth:`log_probs`, :meth:`values`, :meth:`kl_rewards`, :meth:`rewards_and_advantages`,
+    :meth:`update_critic`, :meth:`update_actor`, :meth:`train_on`, :meth:`step_metrics`; their checkpoint tables start from :meth:`checkpointed_groups` and
     :meth:`checkpointed_state`.
     """
 
@@ -81,6 +81,7 @@ class PPOTrainer(Driver):
         self.actor, self.critic, self.reward = actor, critic, reward
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.sync_metrics: dict[str, float] = {}  # from the last generation: LoRA weight-sync checks (sync/*)
+        self._scorer: Optional[ThreadPoolExecutor] = None  # the driver thread of score_in_background
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -123,11 +124,12 @@ class PPOTrainer(Driver):
         fill the batch with informative groups); returns its metrics."""
         t: dict[str, float] = {}
         with timer("step", t):
-            if self.config.algorithm.filter_groups.enable:
+            if self.config.algorithm.filter_groups.enable:  # the scores pick the groups: score before training
                 batch, metrics = collect_informative_groups(self, batch, t)
-            else:
-                batch, metrics = self.generate_and_score(batch, t), {}
-            metrics.update(self.train_on(batch, t, scored=True))
+                metrics.update(self.train_on(batch, t, scored=True))
+            else:  # the reward runs while the reference/old-logprob and value forwards run (train_on)
+                batch = self.generate(batch, t)
+                metrics = self.train_on(batch, t)
             metrics.update(self.pop_sync_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.step_metrics(batch, metrics, t)
 
@@ -140,20 +142,46 @@ class PPOTrainer(Driver):
                            seed_index: Optional[int] = None) -> DataProto:
         """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`)
         and score them (:meth:`score`); returns the generated rows, a prompt's samples adjacent."""
+        batch = self.generate(batch, t, seed_index)
+        self.score(batch, t)
+        return batch
+
+    def generate(self, batch: DataProto, t: dict[str, float], seed_index: Optional[int] = None) -> DataProto:
+        """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`);
+        returns the generated rows (unscored), a prompt's samples adjacent."""
         prompts = self.pop_prompts(batch, seed_index=seed_index)
         with timer("gen", t):
             gen = self.actor.generate_sequences(prompts)
         self.sync_metrics.update(gen.meta_info.pop("sync_metrics", {}))  # LoRA: the rollout's weights checked
-        batch = batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
-        self.score(batch, t)
-        return batch
+        return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
 
     def score(self, batch: DataProto, t: dict[str, float]) -> None:
         """Add ``token_level_scores`` (B, R) (and ``reward_error``) from the reward, plus, with
         ``reward_model.overlong_buffer.enable``, DAPO's overlong penalty (``overlong_penalty`` (B,), on the last
         valid token)."""
         with timer("reward", t):
-            batch.union(self.reward.compute_rm_score(batch))
+            scores = self.reward.compute_rm_score(batch)
+        self._add_scores(batch, scores)
+
+    def score_in_background(self, batch: DataProto) -> Future:
+        """Start :meth:`score`'s reward call on a snapshot of ``batch`` in a driver thread (the reward is another
+        group or a scorer: it runs while the caller starts the actor's and critic's forwards); finish with
+        :meth:`finish_score`."""
+        if self._scorer is None:
+            self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        return self._scorer.submit(self.reward.compute_rm_score, batch.select())
+
+    def finish_score(self, batch: DataProto, pending: Future, t: dict[str, float]) -> None:
+        """Wait for :meth:`score_in_background`'s scores and add them as :meth:`score` does. The reward's worker
+        seconds ran alongside other calls, so they are not counted in the step's worker time (the controller
+        overhead stays step - worker seconds on the critical path); the wait is ``timing_s/reward``."""
+        with timer("reward", t):
+            scores = pending.result()
+        scores.meta_info = {k: v for k, v in scores.meta_info.items() if not k.startswith(WORKER_TIME_PREFIX)}
+        self._add_scores(batch, scores)
+
+    def _add_scores(self, batch: DataProto, scores: DataProto) -> None:
+        batch.union(scores)
         buffer = self.config.reward_model.overlong_buffer
         if buffer.enable:
             apply_overlong_penalty(batch, self.config.data.max_response_length, buffer.len, buffer.penalty_factor)
@@ -204,12 +232,18 @@ class PPOTrainer(Driver):
 
     def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
         """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
-        ran), reference and old logprobs (:meth:`log_probs`), values, advantages, critic and actor updates (phase
-        seconds into ``t``); returns the metrics."""
-        if not scored:
+        ran; a rule reward runs alongside the next two, :meth:`score_in_background`), reference and old logprobs
+        (:meth:`log_probs`), values, advantages, critic and actor updates (phase seconds into ``t``); returns the
+        metrics."""
+        # a reward model's forward would compete with these forwards for the devices: it runs on its own
+        background = not scored and not self.config.reward_model.enable
+        if not scored and not background:
             self.score(batch, t)
+        pending = self.score_in_background(batch) if background else None
         self.log_probs(batch, t)
         self.values(batch, t)
+        if pending is not None:
+            self.finish_score(batch, pending, t)
         with timer("adv", t):
             metrics = self.rewards_and_advantages(batch)
         metrics.update(self.update_critic(batch, t))

@@ -160,6 +160,18 @@ class MeshWorker(Worker):
         return self.received
 
 
+class FlatMeshWorker(Worker):
+    """Ranks laid out as dp = world, tp = 1: every rank collects its own chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self._register_dispatch_collect_info("train", dp_rank=self.rank, is_collect=True)
+
+    @register(Dispatch.MESH_COMPUTE_PROTO, mesh_name="train")
+    def forward(self, data):
+        return DataProto.from_dict({"x": data.batch["x"] * 2})
+
+
 @pytest.fixture(scope="module")
 def echo(pool2):
     wg = RayWorkerGroup(pool2, RayClassWithInitArgs(EchoWorker, scale=10), name_prefix="echo")
@@ -288,6 +300,24 @@ def test_future_flows_into_next_group_without_driver_get(echo, pool2, monkeypatc
 
 
 # ---------------------------------------------------------------------- mesh dispatch
+def test_mesh_dispatch_sends_a_chunk_of_one_reader_inline(ray_session, monkeypatch):
+    pool = ResourcePool([2], cpus_per_bundle=0.5, name_prefix="test_flat_mesh")
+    wg = None
+    try:
+        wg = RayWorkerGroup(pool, RayClassWithInitArgs(FlatMeshWorker), name_prefix="flat_mesh")
+        puts = []
+        real_put = ray.put
+        monkeypatch.setattr(ray, "put", lambda v, *a, **k: puts.append(v) or real_put(v, *a, **k))
+        out = wg.forward(rows(5))  # padded to 6, unpadded back
+        monkeypatch.undo()
+        assert puts == [], "a chunk only one rank reads goes with the call, not through the object store"
+        assert out.batch["x"].tolist() == [0, 2, 4, 6, 8]
+    finally:
+        if wg is not None:
+            wg.shutdown()
+        pool.remove()
+
+
 def test_mesh_dispatch_dp2_tp2(ray_session, monkeypatch):
     pool = ResourcePool([4], cpus_per_bundle=0.5, name_prefix="test_mesh")
     wg = None

@@ -136,3 +136,70 @@ def test_safe_rlhf_driver_floors_lambda_at_lagrangian_lambda_min(tmp_path):
     for _ in range(3):
         trainer.lagrange.update([0.0] * 8)
     assert trainer.lagrange.value == pytest.approx(0.5)
+
+
+class _OverlapActor:
+    """The actor's forwards and update on a generated batch; records the order of calls."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def _logprobs(self, data, *keys):
+        self.calls.append("actor_forward")
+        zeros = torch.zeros(len(data), data.batch["responses"].shape[1])
+        return DataProto.from_dict(tensors={k: zeros for k in keys}, meta_info={"worker_s/actor_forward": 0.5})
+
+    def compute_ref_and_old_log_prob(self, data):
+        return self._logprobs(data, "ref_log_prob", "old_log_probs")
+
+    def compute_log_prob(self, data):
+        return self._logprobs(data, "old_log_probs")
+
+    def compute_ref_log_prob(self, data):
+        return self._logprobs(data, "ref_log_prob")
+
+    def update_actor(self, data):
+        self.calls.append("update_actor")
+        assert "token_level_scores" in data.batch and "advantages" in data.batch
+        return DataProto(meta_info={"metrics": {"actor/pg_loss": 0.0}, "worker_s/update_actor": 0.25})
+
+
+class _BlockingReward:
+    """A rule reward that only answers once the actor's forward has started: it can only finish when it runs
+    alongside the forwards (a reward called first, on the driver thread, would time out)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def compute_rm_score(self, data):
+        import time
+
+        deadline = time.monotonic() + 10
+        while "actor_forward" not in self.calls:
+            assert time.monotonic() < deadline, "the reward was not called alongside the actor's forwards"
+            time.sleep(0.001)
+        self.calls.append("reward")
+        scores = torch.zeros(len(data), data.batch["responses"].shape[1])
+        scores[:, -1] = torch.arange(len(data), dtype=torch.float32)
+        return DataProto.from_dict(tensors={"token_level_scores": scores}, meta_info={"worker_s/compute_rm_score": 9.0})
+
+
+def test_rule_reward_runs_alongside_the_forwards_and_is_not_counted_as_worker_time(tmp_path):
+    cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    calls = []
+    trainer = PPOTrainer(cfg, _OverlapActor(calls), None, _BlockingReward(calls))
+    b, r = 4, 3
+    batch = DataProto.from_dict(
+        tensors={"responses": torch.ones(b, r, dtype=torch.long), "response_mask": torch.ones(b, r, dtype=torch.long),
+                 "attention_mask": torch.ones(b, 2 + r, dtype=torch.long)},
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    t = {}
+    trainer.train_on(batch, t)
+    assert calls.index("actor_forward") < calls.index("reward") < calls.index("update_actor")
+    assert batch.batch["token_level_scores"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]
+    # GRPO by hand: group a scores (0, 1), group b (2, 3): each sample is -/+ 1/sqrt(2) std units from its mean
+    adv = batch.batch["advantages"][:, 0]
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(2), atol=1e-4)
+    assert "reward" in t  # the wait for the scores
+    worker = {k for k in batch.meta_info if k.startswith("worker_s/")}
+    assert "worker_s/compute_rm_score" not in worker and "worker_s/update_actor" in worker
