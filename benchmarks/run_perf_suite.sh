@@ -76,7 +76,9 @@ run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medi
 # async vs sync (target >= 1.6)
 run async_vs_sync python benchmarks/async_vs_sync.py --steps 8 --rounds 1
 
-# hf vs vLLM generation throughput, tiny and medium shapes
-if python -c 'import vllm' 2>/dev/null; then backends=hf,vllm; else backends=hf; fi
-run rollout_tiny python benchmarks/rollout.py --repeats 2 --backends "$backends"
-run rollout_medium python benchmarks/rollout.py --shape medium --repeats 2 --backends "$backends"
+# hf vs vLLM generation throughput, tiny and medium shapes (PERF_SKIP_ROLLOUT=1 leaves them out: ~6 minutes)
+if [ -z "${PERF_SKIP_ROLLOUT:-}" ]; then
+  if python -c 'import vllm' 2>/dev/null; then backends=hf,vllm; else backends=hf; fi
+  run rollout_tiny python benchmarks/rollout.py --repeats 2 --backends "$backends"
+  run rollout_medium python benchmarks/rollout.py --shape medium --repeats 2 --backends "$backends"
+fi

@@ -60,24 +60,54 @@ def resolve_fsdp_size(setting, model: torch.nn.Module, device: str, *, trained: 
                      f"got {setting!r} (hybrid sharding is not implemented)")
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], group: Optional[dist.ProcessGroup] = None) -> None:
-    """Average the gradients of ``params`` over ``group``'s ranks in place (flat buffers of at most
-    :data:`BUCKET_BYTES`, one all-reduce each). A parameter without a gradient on this rank takes part with zeros
-    (every rank must send the same buffers), so after the call it has the averaged gradient too. A no-op outside a
-    process group or with one rank."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    world = dist.get_world_size(group)
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for bucket in _buckets(params):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        dist.all_reduce(flat, group=group)
-        flat.div_(world)
-        for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
-            p.grad.copy_(part.view_as(p.grad))
+class GradientBuckets:
+    """The gradients of ``params`` (those that require grad) as views of flat buffers of at most
+    :data:`BUCKET_BYTES` (PyTorch DDP's ``gradient_as_bucket_view``): backward accumulates into the buffers in
+    place, so averaging over dp is one all-reduce per buffer with no gather or scatter copy (measured with the
+    25M-parameter ``medium`` preset on 2 gloo ranks: the copies into and out of the flat buffers took ~0.9x the
+    time of the all-reduce itself).
+
+    The views stay bound between steps: :meth:`zero` clears them in place (set-to-None would drop them), and
+    re-binds any parameter whose ``.grad`` was replaced or dropped (the non-finite guard sets it to None, a load may
+    swap parameters). A parameter that got no gradient on this rank takes part with zeros, like its peers'."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []
+        for bucket in _buckets(self.params):
+            flat = torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+            self.buffers.append(flat)
+            self.views.extend(part.view_as(p) for p, part in zip(bucket, flat.split([p.numel() for p in bucket])))
+        self._bind()  # gradients already accumulated are kept (copied into the buffers)
+
+    def zero(self) -> None:
+        """Zero the gradients in place (the start of a mini-batch), binding each parameter's ``.grad`` to its view."""
+        for flat in self.buffers:
+            flat.zero_()
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def _bind(self) -> None:
+        """Point every ``.grad`` at its view, copying in a gradient that was replaced (zeros for a dropped one)."""
+        for p, view in zip(self.params, self.views):
+            if p.grad is not view:
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+
+    def all_reduce(self, group: Optional[dist.ProcessGroup] = None) -> None:
+        """Average the gradients over ``group``'s ranks in place, one all-reduce per buffer; every rank calls it. A
+        no-op outside a process group or with one rank."""
+        self._bind()
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return
+        world = dist.get_world_size(group)
+        for flat in self.buffers:
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
 
 
 def _buckets(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

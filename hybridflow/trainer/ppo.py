@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import numpy as np
@@ -81,7 +82,6 @@ class PPOTrainer(Driver):
         self.actor, self.critic, self.reward = actor, critic, reward
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         self.sync_metrics: dict[str, float] = {}  # from the last generation: LoRA weight-sync checks (sync/*)
-        self._scorer: Optional[ThreadPoolExecutor] = None  # the driver thread of score_in_background
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -164,12 +164,10 @@ class PPOTrainer(Driver):
         self._add_scores(batch, scores)
 
     def score_in_background(self, batch: DataProto) -> Future:
-        """Start :meth:`score`'s reward call on a snapshot of ``batch`` in a driver thread (the reward is another
-        group or a scorer: it runs while the caller starts the actor's and critic's forwards); finish with
-        :meth:`finish_score`."""
-        if self._scorer is None:
-            self._scorer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-        return self._scorer.submit(self.reward.compute_rm_score, batch.select())
+        """Start :meth:`score`'s reward call on a snapshot of ``batch`` (its own column dicts) in a driver thread
+        (the reward is another group or a scorer: it runs while the caller starts the actor's and critic's
+        forwards); finish with :meth:`finish_score`."""
+        return in_background(self.reward.compute_rm_score, batch.select())
 
     def finish_score(self, batch: DataProto, pending: Future, t: dict[str, float]) -> None:
         """Wait for :meth:`score_in_background`'s scores and add them as :meth:`score` does. The reward's worker
@@ -293,6 +291,21 @@ class SharedWithPPO:
 
     def __set__(self, obj: Any, value: Any) -> None:
         setattr(obj.ppo, self.name, value)
+
+
+def in_background(fn: Any, *args: Any) -> Future:
+    """``fn(*args)`` in a daemon thread (a call stuck at Ctrl-C or on a dead worker never holds up the exit);
+    returns the future of its result or exception."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller by future.result()
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=f"background-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 def absorb_metrics(update_out: DataProto, batch: DataProto) -> dict[str, float]:

@@ -20,7 +20,7 @@ from hybridflow.distributed import (build_mesh, iter_full_state, offload_module,
                                     onload_optimizer, parallelize_model, resolve_reshard_after_forward)
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
-from hybridflow.distributed.replicate import all_reduce_gradients, resolve_fsdp_size
+from hybridflow.distributed.replicate import GradientBuckets, resolve_fsdp_size
 from hybridflow.distributed.tp import tp_dims
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
@@ -77,6 +77,7 @@ class FSDP2Engine(TrainEngine):
         self.spec = spec
         self.replicated = replicated  # plain full tensors on every dp rank (not FSDP2 shards)
         self.autocast_dtype = autocast_dtype  # replicated mixed precision: forwards under torch.autocast
+        self._grads: Optional[GradientBuckets] = None  # replicated: the gradients' flat buffers (first zero_grad)
         self.layout = spec.layout
         self.module = module
         self.optimizer = optimizer
@@ -158,11 +159,18 @@ class FSDP2Engine(TrainEngine):
         return result
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.replicated:
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        if self._grads is None:  # replicated: gradients live in flat buffers, zeroed in place
+            self._grads = GradientBuckets(self.module.parameters())
+        self._grads.zero()
 
     def optimizer_step(self) -> tuple[float, bool]:
         if self.replicated:  # the dp mean FSDP2's reduce-scatter would have taken
-            all_reduce_gradients(self.module.parameters(), self.mesh.get_group() if self.mesh is not None else None)
+            if self._grads is None:
+                self._grads = GradientBuckets(self.module.parameters())  # keeps the gradients already there
+            self._grads.all_reduce(self.mesh.get_group() if self.mesh is not None else None)
         grad_norm, skipped = apply_gradients(self.module, self.optimizer, self.spec.grad_clip,
                                              self.spec.nonfinite_grad, self.spec.role)
         self.skipped_steps += int(skipped)
@@ -202,6 +210,7 @@ class FSDP2Engine(TrainEngine):
         # reshards too; the engine does not rely on it)
         _reshard(self.module)
         extra = load_sharded(path, self.module, self.optimizer)
+        self._grads = None  # rebuilt on the module's (possibly new) parameters at the next zero_grad
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra.pop("lr_scheduler"))
         self.skipped_steps = int(extra.pop("skipped_steps", 0))

@@ -11,7 +11,7 @@ from hybridflow.config import load_config
 from hybridflow.config.loader import ConfigError
 from hybridflow.distributed import fsdp, replicate
 from hybridflow.distributed.fsdp import UNSHARDED_MEMORY_SHARE
-from hybridflow.distributed.replicate import TRAINED_STATE_COPIES, all_reduce_gradients, resolve_fsdp_size
+from hybridflow.distributed.replicate import TRAINED_STATE_COPIES, GradientBuckets, resolve_fsdp_size
 
 
 def _model(n_params: int) -> torch.nn.Module:
@@ -71,15 +71,30 @@ def _average(rank: int, out: str) -> None:
     if rank == 1:
         c.grad = torch.full((4,), 8.0)  # 0 and 8 -> 4
     replicate.BUCKET_BYTES = 24  # several buckets: a alone, then b, then c
-    all_reduce_gradients([a, b, c, frozen])
-    torch.save({"a": a.grad, "b": b.grad, "c": c.grad, "frozen": frozen.grad}, os.path.join(out, f"r{rank}.pt"))
+    grads = GradientBuckets([a, b, c, frozen])  # keeps the gradients already there
+    assert len(grads.buffers) == 3 and a.grad.data_ptr() == grads.buffers[0].data_ptr()
+    grads.all_reduce()
+    first = {"a": a.grad.clone(), "b": b.grad.clone(), "c": c.grad.clone(), "frozen": frozen.grad}
+    # a second mini-batch: zeroed in place, backward accumulates into the same buffers, averaged again
+    grads.zero()
+    (a * (rank + 1.0)).sum().backward()  # d/da = rank + 1: 1 and 2 -> 1.5
+    b.grad = torch.full((5,), 4.0 * rank)  # replaced (not accumulated): copied into the buffer -> 2
+    grads.all_reduce()
+    second = {"a": a.grad, "b": b.grad, "c": c.grad, "views": a.grad.data_ptr() == grads.buffers[0].data_ptr()}
+    torch.save({"first": first, "second": second}, os.path.join(out, f"r{rank}.pt"))
 
 
 def test_gradients_are_averaged_over_the_ranks(tmp_path):
     spawn_ranks(_average, str(tmp_path))
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"r{rank}.pt")
+        saved = torch.load(tmp_path / f"r{rank}.pt")
+        got = saved["first"]
         torch.testing.assert_close(got["a"], torch.full((2, 3), 1.5), rtol=0, atol=0)
         torch.testing.assert_close(got["b"], torch.arange(5.0) * 2, rtol=0, atol=0)
         torch.testing.assert_close(got["c"], torch.full((4,), 4.0), rtol=0, atol=0)
         assert got["frozen"] is None
+        got = saved["second"]
+        torch.testing.assert_close(got["a"], torch.full((2, 3), 1.5), rtol=0, atol=0)
+        torch.testing.assert_close(got["b"], torch.full((5,), 2.0), rtol=0, atol=0)
+        torch.testing.assert_close(got["c"], torch.zeros(4), rtol=0, atol=0)  # zeroed, no gradient on either rank
+        assert got["views"]  # backward accumulated into the buffer: .grad is still its view

@@ -203,3 +203,17 @@ def test_rule_reward_runs_alongside_the_forwards_and_is_not_counted_as_worker_ti
     assert "reward" in t  # the wait for the scores
     worker = {k for k in batch.meta_info if k.startswith("worker_s/")}
     assert "worker_s/compute_rm_score" not in worker and "worker_s/update_actor" in worker
+
+
+def test_an_error_of_the_background_reward_reaches_the_step(tmp_path):
+    class FailingReward:
+        def compute_rm_score(self, data):
+            raise ValueError("the scoring function failed on sample 2")
+
+    cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    trainer = PPOTrainer(cfg, _OverlapActor([]), None, FailingReward())
+    batch = DataProto.from_dict(tensors={"responses": torch.ones(2, 3, dtype=torch.long),
+                                         "response_mask": torch.ones(2, 3, dtype=torch.long)},
+                                non_tensors={"uid": np.array(["a", "a"], dtype=object)})
+    with pytest.raises(ValueError, match="failed on sample 2"):
+        trainer.train_on(batch, {})
