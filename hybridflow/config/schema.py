@@ -315,6 +315,7 @@ class TrainerConfig:
     resume_mode: str = "auto"  # auto (latest checkpoint in default_local_dir, if any) | disable | a checkpoint path
     max_ckpt_to_keep: Optional[int] = None  # keep the newest N checkpoints; None keeps all
     nonfinite_grad: str = "skip"  # skip (drop the optimizer step, count it) | error (stop with a clear error)
+    balance_batch: bool = True  # reorder generated rows so each dp rank of the actor gets ~equal tokens
     test_freq: int = 10  # validate every N steps; -1 disables
     val_before_train: bool = True
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"

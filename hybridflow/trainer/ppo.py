@@ -24,6 +24,7 @@ import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto
+from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.driver import Driver, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
@@ -233,6 +234,7 @@ class PPOTrainer(Driver):
         ran; a rule reward runs alongside the next two, :meth:`score_in_background`), reference and old logprobs
         (:meth:`log_probs`), values, advantages, critic and actor updates (phase seconds into ``t``); returns the
         metrics."""
+        balance = self._balance(batch)  # trainer.balance_batch: ~equal tokens per dp rank (before any dispatch)
         # a reward model's forward would compete with these forwards for the devices: it runs on its own
         background = not scored and not self.config.reward_model.enable
         if not scored and not background:
@@ -246,7 +248,14 @@ class PPOTrainer(Driver):
             metrics = self.rewards_and_advantages(batch)
         metrics.update(self.update_critic(batch, t))
         metrics.update(self.update_actor(batch, t))
-        return metrics
+        return {**metrics, **balance}
+
+    def _balance(self, batch: DataProto) -> dict[str, float]:
+        """With ``trainer.balance_batch``, reorder ``batch`` for the actor's dp ranks (:mod:`.balance`)."""
+        info = getattr(self.actor, "dispatch_info", None)
+        if not self.config.trainer.balance_batch or info is None:
+            return {}
+        return balance_batch(batch, info("actor").dp_size)
 
     def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
         """``token_level_rewards`` (scores minus the in-reward KL when ``use_kl_in_reward``), then ``advantages``

@@ -217,3 +217,39 @@ def test_an_error_of_the_background_reward_reaches_the_step(tmp_path):
                                 non_tensors={"uid": np.array(["a", "a"], dtype=object)})
     with pytest.raises(ValueError, match="failed on sample 2"):
         trainer.train_on(batch, {})
+
+
+class _Mesh:
+    dp_size = 2
+
+
+def test_train_on_balances_the_rows_for_the_actors_dp_ranks(tmp_path):
+    class TwoRankActor(_OverlapActor):
+        def dispatch_info(self, mesh):
+            assert mesh == "actor"
+            return _Mesh()
+
+        def update_actor(self, data):
+            seen.append(data.batch["attention_mask"].sum(-1).tolist())
+            return super().update_actor(data)
+
+    class Reward:
+        def compute_rm_score(self, data):
+            return DataProto.from_dict(tensors={"token_level_scores": data.batch["response_mask"].float()})
+
+    seen = []
+    cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    assert cfg.trainer.balance_batch  # verl's default
+    lengths = [6, 5, 3, 3]  # 2 prompt tokens + responses of 4, 3, 1, 1: dispatched as is, 11 / 6 tokens per rank
+    response_mask = torch.tensor([[1] * (n - 2) + [0] * (6 - n) for n in lengths])
+    batch = DataProto.from_dict(
+        tensors={"responses": torch.ones(4, 4, dtype=torch.long), "response_mask": response_mask,
+                 "attention_mask": torch.cat([torch.ones(4, 2, dtype=torch.long), response_mask], dim=1)},
+        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    trainer = PPOTrainer(cfg, TwoRankActor([]), None, Reward())
+    out = trainer.train_on(batch, {})
+    # by hand: 6 (row 0) -> chunk 0, 5 (row 1) -> chunk 1, 3 (row 2) -> chunk 1 (5 < 6), 3 (row 3) -> chunk 0
+    assert seen == [[6, 3, 5, 3]]  # rows 0, 3 | 1, 2: 9 / 8 tokens per rank
+    assert out["perf/dp_token_imbalance_before"] == pytest.approx(11 / 8.5)
+    assert out["perf/dp_token_imbalance"] == pytest.approx(9 / 8.5)
+    assert list(batch.non_tensor_batch["uid"]) == ["a", "b", "a", "b"]

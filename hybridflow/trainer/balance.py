@@ -1,0 +1,59 @@
+"""``trainer.balance_batch`` (verl's key): reorder a generated batch so that every data-parallel rank gets about
+the same number of tokens.
+
+The dispatch splits a batch into ``dp`` contiguous, equal-row chunks, one per rank; with variable response lengths
+one rank can get many more tokens than another and its peers wait for it (in the collectives of an update, or for
+the slowest rank's forward). Reordering the rows first (a greedy balanced partition with equal row counts: longest
+row first into the chunk with the fewest tokens that still has room) evens the per-rank token sums. Every column
+moves with its row; advantages group rows by ``uid``, not by position, so nothing downstream depends on the order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.protocol import DataProto
+
+__all__ = ["balance_permutation", "balance_batch"]
+
+
+def balance_permutation(lengths: list[int], parts: int) -> list[int]:
+    """A row order whose ``parts`` contiguous chunks of ``len(lengths) / parts`` rows have near-equal sums of
+    ``lengths`` (greedy: rows by decreasing length, each into the chunk with the smallest sum that has room; ties to
+    the lower chunk); rows keep their original order within a chunk.
+
+    Raises:
+        ValueError: ``parts < 1`` or the rows do not split into ``parts`` equal chunks.
+    """
+    n = len(lengths)
+    if parts < 1 or n % parts:
+        raise ValueError(f"balance_permutation: {n} rows do not split into {parts} equal chunks")
+    size = n // parts
+    chunks: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for row in sorted(range(n), key=lambda i: (-lengths[i], i)):
+        target = min((c for c in range(parts) if len(chunks[c]) < size), key=lambda c: (sums[c], c))
+        chunks[target].append(row)
+        sums[target] += lengths[row]
+    return [row for chunk in chunks for row in sorted(chunk)]
+
+
+def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
+    """Reorder ``batch`` in place (by its ``attention_mask`` tokens per row) for ``dp_size`` ranks; returns
+    ``perf/dp_token_imbalance`` (the largest rank's tokens over the mean rank's, after: 1.0 is even; before: the
+    ``_before`` key). A batch that does not split evenly, or one rank, is left as it is (``{}``)."""
+    n = len(batch)
+    if dp_size <= 1 or n % dp_size or "attention_mask" not in batch.batch:
+        return {}
+    lengths = batch.batch["attention_mask"].sum(-1).tolist()
+
+    def imbalance(order: list[int]) -> float:
+        size = n // dp_size
+        sums = [sum(lengths[i] for i in order[c * size:(c + 1) * size]) for c in range(dp_size)]
+        mean = sum(sums) / dp_size
+        return max(sums) / mean if mean else 1.0
+
+    perm = balance_permutation(lengths, dp_size)
+    metrics = {"perf/dp_token_imbalance_before": imbalance(list(range(n))), "perf/dp_token_imbalance": imbalance(perm)}
+    batch.reorder(torch.tensor(perm))
+    return metrics
