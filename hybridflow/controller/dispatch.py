@@ -218,6 +218,7 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
             f"cannot be matched on the DataProtoFuture arguments {futures} (their size is unknown)"
         )
     world = len(chunk_of_rank)
+    readers = [chunk_of_rank.count(c) for c in range(chunks)]  # ranks that get each piece
 
     def per_rank(value: Any) -> list:
         if isinstance(value, DataProtoFuture):
@@ -225,7 +226,6 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
         elif isinstance(value, DataProto):
             pieces = pad_dataproto_to_divisor(value, chunks)[0].chunk(chunks)
             if put_chunks:  # a piece several ranks read (tp/pp peers) is stored once; one reader's goes inline
-                readers = [chunk_of_rank.count(c) for c in range(chunks)]
                 pieces = [ray.put(p) if readers[c] > 1 else p for c, p in enumerate(pieces)]
         else:
             return _broadcast(value, world)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.protocol import DataProto
+from hybridflow.utils.partition import balanced_groups
 
 __all__ = ["balance_permutation", "balance_batch"]
 
@@ -28,14 +29,7 @@ def balance_permutation(lengths: list[int], parts: int) -> list[int]:
     n = len(lengths)
     if parts < 1 or n % parts:
         raise ValueError(f"balance_permutation: {n} rows do not split into {parts} equal chunks")
-    size = n // parts
-    chunks: list[list[int]] = [[] for _ in range(parts)]
-    sums = [0] * parts
-    for row in sorted(range(n), key=lambda i: (-lengths[i], i)):
-        target = min((c for c in range(parts) if len(chunks[c]) < size), key=lambda c: (sums[c], c))
-        chunks[target].append(row)
-        sums[target] += lengths[row]
-    return [row for chunk in chunks for row in sorted(chunk)]
+    return [row for chunk in balanced_groups(lengths, parts, max_items=n // parts) for row in chunk]
 
 
 def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:

@@ -15,8 +15,8 @@ PPOTrainer they hold (composition). Resume, validation/checkpoint cadence, loggi
 from __future__ import annotations
 
 import logging
-import uuid
 import threading
+import uuid
 from concurrent.futures import Future
 from typing import Any, Optional
 
@@ -71,8 +71,8 @@ class PPOTrainer(Driver):
 
     The phases other drivers reuse: :meth:`pop_prompts`, :meth:`generate`, :meth:`generate_and_score`,
     :meth:`score`, :meth:`log_probs`, :meth:`values`, :meth:`kl_rewards`, :meth:`rewards_and_advantages`,
-    :meth:`update_critic`, :meth:`update_actor`, :meth:`train_on`, :meth:`step_metrics`; their checkpoint tables start from :meth:`checkpointed_groups` and
-    :meth:`checkpointed_state`.
+    :meth:`update_critic`, :meth:`update_actor`, :meth:`train_on`, :meth:`step_metrics`; their checkpoint tables
+    start from :meth:`checkpointed_groups` and :meth:`checkpointed_state`.
     """
 
     ROLES = ("actor", "reward", "critic", "reward_model")
@@ -235,11 +235,11 @@ class PPOTrainer(Driver):
         (:meth:`log_probs`), values, advantages, critic and actor updates (phase seconds into ``t``); returns the
         metrics."""
         balance = self._balance(batch)  # trainer.balance_batch: ~equal tokens per dp rank (before any dispatch)
-        # a reward model's forward would compete with these forwards for the devices: it runs on its own
-        background = not scored and not self.config.reward_model.enable
-        if not scored and not background:
+        pending = None
+        if not scored and self.config.reward_model.enable:  # its forward would compete with the ones below
             self.score(batch, t)
-        pending = self.score_in_background(batch) if background else None
+        elif not scored:
+            pending = self.score_in_background(batch)
         self.log_probs(batch, t)
         self.values(batch, t)
         if pending is not None:

@@ -77,7 +77,7 @@ class FSDP2Engine(TrainEngine):
         self.spec = spec
         self.replicated = replicated  # plain full tensors on every dp rank (not FSDP2 shards)
         self.autocast_dtype = autocast_dtype  # replicated mixed precision: forwards under torch.autocast
-        self._grads: Optional[GradientBuckets] = None  # replicated: the gradients' flat buffers (first zero_grad)
+        self._grads: Optional[GradientBuckets] = None  # replicated: the gradients' flat buffers (first use)
         self.layout = spec.layout
         self.module = module
         self.optimizer = optimizer
@@ -159,18 +159,20 @@ class FSDP2Engine(TrainEngine):
         return result
 
     def zero_grad(self) -> None:
-        if not self.replicated:
+        if self.replicated:  # gradients live in flat buffers, zeroed in place
+            self._gradient_buckets().zero()
+        else:
             self.optimizer.zero_grad(set_to_none=True)
-            return
-        if self._grads is None:  # replicated: gradients live in flat buffers, zeroed in place
+
+    def _gradient_buckets(self) -> GradientBuckets:
+        """The replicated model's gradient buffers, built on first use (keeping any gradients already there)."""
+        if self._grads is None:
             self._grads = GradientBuckets(self.module.parameters())
-        self._grads.zero()
+        return self._grads
 
     def optimizer_step(self) -> tuple[float, bool]:
         if self.replicated:  # the dp mean FSDP2's reduce-scatter would have taken
-            if self._grads is None:
-                self._grads = GradientBuckets(self.module.parameters())  # keeps the gradients already there
-            self._grads.all_reduce(self.mesh.get_group() if self.mesh is not None else None)
+            self._gradient_buckets().all_reduce(self.mesh.get_group() if self.mesh is not None else None)
         grad_norm, skipped = apply_gradients(self.module, self.optimizer, self.spec.grad_clip,
                                              self.spec.nonfinite_grad, self.spec.role)
         self.skipped_steps += int(skipped)

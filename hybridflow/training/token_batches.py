@@ -16,7 +16,6 @@ normalised by mini-batch totals), so any plan gives the same update.
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Iterator
 
@@ -24,18 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
-
-
-def balanced_groups(lengths: list[int], k: int) -> list[list[int]]:
-    """Assign item ``i`` (cost ``lengths[i]``) to one of ``k`` groups, longest first to the currently lightest group
-    (ties: the lower group index). Returns ``k`` lists of indices, each in ascending order (some empty if k > n)."""
-    heap = [(0, g) for g in range(k)]
-    groups: list[list[int]] = [[] for _ in range(k)]
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        load, g = heapq.heappop(heap)
-        groups[g].append(i)
-        heapq.heappush(heap, (load + lengths[i], g))
-    return [sorted(g) for g in groups]
+from hybridflow.utils.partition import balanced_groups
 
 
 def local_micro_count(lengths: list[int], max_tokens: int) -> int:
