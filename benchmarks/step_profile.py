@@ -2,7 +2,8 @@
 
 Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON line: seconds per phase (driver
 wall time: generate, reward, reference, old logprobs (or both in one call), values, advantages, critic update,
-actor update), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
+actor update; reference and old logprobs run inside the generation call are its worker seconds, taken out of
+generate's), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
 (step time not spent inside a worker method: dispatch, serialization, object store, driver math) as a fraction of
 the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
 the same run with the same process/thread layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
@@ -96,6 +97,11 @@ def main() -> None:
         return statistics.mean(r.get(key, 0.0) for r in steady)
 
     phase_s = {name: avg(f"timing_s/{key}") for name, key in PHASES.items()}
+    for phase, name in (("reference", "ref"), ("old_log_prob", "old")):  # forwards run in the generation call
+        seconds = avg(f"timing_worker_s/{name}_log_prob_in_generate")
+        if seconds:
+            phase_s[phase] = seconds
+            phase_s["generate"] -= seconds
     sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     tokens = avg("prompt_length/mean") + avg("response_length/mean")
     padding = {role: padding_fraction(steady, role) for role in ("actor", "critic")}

@@ -141,7 +141,9 @@ def compute_gae_advantage_return(
     the last token of a model turn goes straight to the first token of the next turn, discounted once
     (``gamma * V_t'``, not ``gamma ** (span + 1)``), and no value is read inside the span.
     ``returns = A + V`` (the critic's regression target) is taken before whitening; then the
-    advantages are whitened over all valid tokens of the batch (:func:`masked_whiten`).
+    advantages are whitened over all valid tokens of the batch (:func:`masked_whiten`). Computed without a loop
+    over tokens: each row's valid tokens are moved to its front, and ``A_t = sum_k (gamma * lam) ** (k - t) *
+    delta_k`` is a blockwise matrix product (:func:`discounted_reverse_cumsum`).
 
     Args:
         token_level_rewards: ``(B, T)`` rewards (e.g. the score on the last token, minus a KL term).
@@ -161,21 +163,38 @@ def compute_gae_advantage_return(
     with torch.no_grad():
         valid = response_mask != 0
         zeros = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
-        rewards = torch.where(valid, token_level_rewards.float(), zeros)
-        values = torch.where(valid, values.float(), zeros)
-        next_value = zeros[:, 0].clone()  # value of the next valid token (0 past the end)
-        next_adv = zeros[:, 0].clone()  # advantage of the next valid token
-        advantages = torch.zeros_like(zeros)
-        for t in reversed(range(valid.shape[1])):
-            is_valid = valid[:, t]
-            delta = rewards[:, t] + gamma * next_value - values[:, t]
-            adv_t = delta + gamma * lam * next_adv
-            advantages[:, t] = torch.where(is_valid, adv_t, zeros[:, t])
-            next_value = torch.where(is_valid, values[:, t], next_value)
-            next_adv = torch.where(is_valid, adv_t, next_adv)
-        returns = torch.where(valid, advantages + values, zeros)
+        # each row's valid tokens moved to its front, in order (holes and padding after them, zeroed), so the
+        # next valid token is the next position
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        rewards = torch.where(valid, token_level_rewards.float(), zeros).gather(1, order)
+        values = torch.where(valid, values.float(), zeros).gather(1, order)
+        next_values = torch.cat([values[:, 1:], zeros[:, :1]], dim=1)
+        compact = discounted_reverse_cumsum(rewards + gamma * next_values - values, gamma * lam)
+        advantages = zeros.scatter(1, order, compact)
+        returns = torch.where(valid, advantages + zeros.scatter(1, order, values), zeros)
         advantages = masked_whiten(advantages, valid)
     return advantages, returns
+
+
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float, block: int = 256) -> torch.Tensor:
+    """``y_t = sum_{k >= t} discount ** (k - t) * x_k`` along the last dimension of ``x`` (B, T) fp32, as
+    matrix products over blocks of ``block`` positions (right to left, each carrying ``discount ** n * y`` of the
+    block after it) instead of T sequential steps; ``discount == 1`` is a reversed cumulative sum."""
+    if discount == 1.0:
+        return x.flip(-1).cumsum(-1).flip(-1)
+    length = x.shape[-1]
+    span = torch.arange(min(block, length), device=x.device, dtype=x.dtype)
+    lag = span[None, :] - span[:, None]  # (k - t) for column k, row t
+    powers = torch.where(lag >= 0, torch.tensor(discount, dtype=x.dtype, device=x.device) ** lag.clamp(min=0),
+                         torch.zeros((), dtype=x.dtype, device=x.device))  # [t, k]: discount ** (k - t), k >= t
+    out = torch.empty_like(x)
+    carry = x.new_zeros(x.shape[0])  # y at the first position after the block
+    for end in range(length, 0, -block):
+        start = max(0, end - block)
+        n = end - start
+        out[:, start:end] = x[:, start:end] @ powers[:n, :n].T + carry[:, None] * discount ** (n - span[:n])
+        carry = out[:, start]
+    return out
 
 
 @register_adv_est("grpo")

@@ -9,7 +9,8 @@ A registered method is a step of the dataflow. The decorator stores a ``MethodSp
    ``blocking=False``, returns a future at once.
 
 Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
-so a method always sees plain ``DataProto`` values.
+so a method always sees plain ``DataProto`` values. A method that declares the columns it reads
+(``batch_keys``, ``non_tensor_batch_keys``) is sent only those of its ``DataProto`` arguments.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from enum import Enum
 from typing import Any, Callable, Optional, Union
 
 from hybridflow.controller.futures import DataProtoFuture
+from hybridflow.protocol import DataProto
 
 __all__ = ["Dispatch", "Execute", "MethodSpec", "register", "get_method_spec", "get_registered_methods"]
 
@@ -49,6 +51,22 @@ class MethodSpec:
     execute_mode: Execute
     blocking: bool
     mesh_name: Optional[str]
+    batch_keys: Optional[tuple[str, ...]] = None  # the tensor columns it may read (None: all)
+    non_tensor_batch_keys: Optional[tuple[str, ...]] = None  # the non-tensor columns it may read (None: all)
+
+    def select_inputs(self, value: Any) -> Any:
+        """``value`` as the method reads it: a ``DataProto`` cut to the declared columns it has (shallow: tensors
+        are shared; ``meta_info`` is kept), anything else (a future included: it is cut where it is fetched)
+        unchanged."""
+        if not isinstance(value, DataProto) or (self.batch_keys is None and self.non_tensor_batch_keys is None):
+            return value
+
+        def kept(wanted: Optional[tuple[str, ...]], columns: dict) -> dict:
+            return dict(columns) if wanted is None else {k: columns[k] for k in wanted if k in columns}
+
+        return DataProto(batch=kept(self.batch_keys, value.batch),
+                         non_tensor_batch=kept(self.non_tensor_batch_keys, value.non_tensor_batch),
+                         meta_info=value.meta_info)
 
 
 _SPEC_ATTR = "_hf_method_spec"
@@ -79,6 +97,8 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     mesh_name: Optional[str] = None,
+    batch_keys: Optional[tuple[str, ...]] = None,
+    non_tensor_batch_keys: Optional[tuple[str, ...]] = None,
 ) -> Callable[[Callable], Callable]:
     """Mark a ``Worker`` method as callable on the whole group.
 
@@ -89,6 +109,9 @@ def register(
         blocking: ``False`` makes the group method return at once: a ``DataProtoFuture`` for modes that
             collect a ``DataProto``, else the list of Ray ``ObjectRef``s of the ranks whose output counts.
         mesh_name: the layout name for ``Dispatch.MESH_COMPUTE_PROTO`` (required there, rejected elsewhere).
+        batch_keys / non_tensor_batch_keys: the tensor / non-tensor columns the method may read (a superset: a
+            column a config may add is listed; absent ones are skipped). The driver-side call sends only these
+            of each ``DataProto`` argument (less to serialize and move); ``None`` (default) sends all.
 
     Raises:
         TypeError: a wrong argument type (including ``@register`` written without parentheses).
@@ -107,7 +130,10 @@ def register(
             raise ValueError("Dispatch.MESH_COMPUTE_PROTO needs mesh_name='<layout name>'")
     elif mesh_name is not None:
         raise ValueError(f"mesh_name={mesh_name!r} only applies to Dispatch.MESH_COMPUTE_PROTO, not {dispatch_mode}")
-    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name)
+    for name, keys in (("batch_keys", batch_keys), ("non_tensor_batch_keys", non_tensor_batch_keys)):
+        if keys is not None and (not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys)):
+            raise TypeError(f"{name} must be a tuple of column names or None, got {keys!r}")
+    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name, batch_keys, non_tensor_batch_keys)
 
     def decorator(func: Callable) -> Callable:
         @functools.wraps(func)

@@ -4,7 +4,8 @@ Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` i
 ``torchrun`` environment variables in each (see ``worker.py``) and binds every ``register``-ed method of the
 class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
 method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
-future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``).
+future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``). Any bound method can
+also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blocking=False`` would.
 
 Roles that share memory run in one worker class (``ActorRolloutRefWorker`` holds actor, rollout and reference);
 roles in separate groups share devices through their resource pool.
@@ -12,6 +13,7 @@ roles in separate groups share devices through their resource pool.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
@@ -142,11 +144,18 @@ class _WorkerGroupBase:
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._call(method_name, remote_name, spec, mode, args, kwargs)
 
+        def submit(*args: Any, **kwargs: Any) -> Any:
+            return self._call(method_name, remote_name, started, mode, args, kwargs)
+
+        started = dataclasses.replace(spec, blocking=False)
         call.__name__ = method_name
         call.__doc__ = doc
+        call.submit = submit  # group.method.submit(...): start the call, return its future (blocking=False's)
         setattr(self, method_name, call)
 
     def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict) -> Any:
+        args = tuple(spec.select_inputs(a) for a in args)  # the columns the method declares it reads
+        kwargs = {k: spec.select_inputs(v) for k, v in kwargs.items()}
         try:
             plan = mode.dispatch_fn(self, *args, **kwargs)
         except DispatchError as err:

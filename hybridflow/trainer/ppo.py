@@ -2,7 +2,9 @@
 dataflow and every model is a worker group. The driver holds no weights; it moves DataProto batches.
 
 One step = generate -> reward (+ DAPO's overlong penalty) -> reference logprobs (when a KL term uses them) -> old
-logprobs -> values -> KL-in-reward -> advantages -> update critic -> update actor. Advantages and the KL penalty run
+logprobs -> values -> KL-in-reward -> advantages -> update critic -> update actor. The reference and old-logprob
+forwards run inside the generation call when the actor's group generates in its training layout (no round trip of
+the batch between two calls of one group; :meth:`PPOTrainer.log_probs_in_generation`). Advantages and the KL penalty run
 here on the driver (see :mod:`hybridflow.trainer.steps` for why). With ``algorithm.filter_groups.enable`` (DAPO
 dynamic sampling) the first two phases repeat over further prompt batches until the batch holds enough informative
 groups (:mod:`hybridflow.trainer.dynamic_sampling`).
@@ -32,7 +34,7 @@ from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_o
                                      compute_data_metrics, compute_timing_metrics)
 from hybridflow.trainer.validate import validate
 from hybridflow.trainer.worker_inputs import actor_args, critic_args, rule_reward_args, score_model_args
-from hybridflow.workers.inputs import REF_IN_UPDATE
+from hybridflow.workers.inputs import LOG_PROBS_IN_GENERATE, REF_IN_UPDATE
 from hybridflow.utils.timer import timer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,8 @@ class PPOTrainer(Driver):
         self.config = config
         self.actor, self.critic, self.reward = actor, critic, reward
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
-        self.sync_metrics: dict[str, float] = {}  # from the last generation: LoRA weight-sync checks (sync/*)
+        # from the generations since the last step: LoRA weight-sync checks (sync/*), in-call forward seconds
+        self.gen_metrics: dict[str, float] = {}
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -129,31 +132,39 @@ class PPOTrainer(Driver):
                 batch, metrics = collect_informative_groups(self, batch, t)
                 metrics.update(self.train_on(batch, t, scored=True))
             else:  # the reward runs while the reference/old-logprob and value forwards run (train_on)
-                batch = self.generate(batch, t)
+                batch = self.generate(batch, t, log_probs=self.log_probs_in_generation())
                 metrics = self.train_on(batch, t)
-            metrics.update(self.pop_sync_metrics())  # LoRA: the rollout's weights checked (sync/verified)
+            metrics.update(self.pop_gen_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.step_metrics(batch, metrics, t)
 
-    def pop_sync_metrics(self) -> dict[str, float]:
-        """The rollout's weight-sync checks (``sync/*``) of the generations since the last call."""
-        metrics, self.sync_metrics = self.sync_metrics, {}
+    def pop_gen_metrics(self) -> dict[str, float]:
+        """The metrics of the generations since the last call: the rollout's weight-sync checks (``sync/*``, LoRA)
+        and ``timing_worker_s/{ref,old}_log_prob_in_generate`` (the forwards run in the generation call)."""
+        metrics, self.gen_metrics = self.gen_metrics, {}
         return metrics
 
-    def generate_and_score(self, batch: DataProto, t: dict[str, float],
-                           seed_index: Optional[int] = None) -> DataProto:
-        """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`)
-        and score them (:meth:`score`); returns the generated rows, a prompt's samples adjacent."""
-        batch = self.generate(batch, t, seed_index)
+    def generate_and_score(self, batch: DataProto, t: dict[str, float], seed_index: Optional[int] = None,
+                           log_probs: tuple[str, ...] = ()) -> DataProto:
+        """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`;
+        ``log_probs`` as in :meth:`generate`) and score them (:meth:`score`); returns the generated rows, a
+        prompt's samples adjacent."""
+        batch = self.generate(batch, t, seed_index, log_probs)
         self.score(batch, t)
         return batch
 
-    def generate(self, batch: DataProto, t: dict[str, float], seed_index: Optional[int] = None) -> DataProto:
+    def generate(self, batch: DataProto, t: dict[str, float], seed_index: Optional[int] = None,
+                 log_probs: tuple[str, ...] = ()) -> DataProto:
         """Sample ``rollout.n`` responses per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`);
-        returns the generated rows (unscored), a prompt's samples adjacent."""
+        returns the generated rows (unscored), a prompt's samples adjacent. ``log_probs`` (from
+        :meth:`log_probs_in_generation`): the reference (``"ref"``) and old-logprob (``"old"``) forwards the same
+        call runs on the generated rows, whose columns :meth:`log_probs` then finds in the batch."""
         prompts = self.pop_prompts(batch, seed_index=seed_index)
+        if log_probs:
+            prompts.meta_info[LOG_PROBS_IN_GENERATE] = list(log_probs)
         with timer("gen", t):
             gen = self.actor.generate_sequences(prompts)
-        self.sync_metrics.update(gen.meta_info.pop("sync_metrics", {}))  # LoRA: the rollout's weights checked
+        self.gen_metrics.update(gen.meta_info.pop("sync_metrics", {}))  # LoRA: the rollout's weights checked
+        self.gen_metrics.update(gen.meta_info.pop("metrics", {}))  # the seconds of the in-call forwards
         return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
 
     def score(self, batch: DataProto, t: dict[str, float]) -> None:
@@ -164,18 +175,22 @@ class PPOTrainer(Driver):
             scores = self.reward.compute_rm_score(batch)
         self._add_scores(batch, scores)
 
-    def score_in_background(self, batch: DataProto) -> Future:
-        """Start :meth:`score`'s reward call on a snapshot of ``batch`` (its own column dicts) in a driver thread
-        (the reward is another group or a scorer: it runs while the caller starts the actor's and critic's
-        forwards); finish with :meth:`finish_score`."""
+    def score_in_background(self, batch: DataProto) -> Any:
+        """Start :meth:`score`'s reward call and return its future (``.get()``); the caller goes on with the actor's
+        and critic's forwards and finishes with :meth:`finish_score`. A worker group's call is started without
+        waiting (``compute_rm_score.submit``: its arguments are serialized before this returns); any other reward
+        runs on a snapshot of ``batch`` (its own column dicts) in a driver thread."""
+        submit = getattr(self.reward.compute_rm_score, "submit", None)
+        if submit is not None:
+            return submit(batch)
         return in_background(self.reward.compute_rm_score, batch.select())
 
-    def finish_score(self, batch: DataProto, pending: Future, t: dict[str, float]) -> None:
+    def finish_score(self, batch: DataProto, pending: Any, t: dict[str, float]) -> None:
         """Wait for :meth:`score_in_background`'s scores and add them as :meth:`score` does. The reward's worker
         seconds ran alongside other calls, so they are not counted in the step's worker time (the controller
         overhead stays step - worker seconds on the critical path); the wait is ``timing_s/reward``."""
         with timer("reward", t):
-            scores = pending.result()
+            scores = pending.get()
         scores.meta_info = {k: v for k, v in scores.meta_info.items() if not k.startswith(WORKER_TIME_PREFIX)}
         self._add_scores(batch, scores)
 
@@ -185,29 +200,53 @@ class PPOTrainer(Driver):
         if buffer.enable:
             apply_overlong_penalty(batch, self.config.data.max_response_length, buffer.len, buffer.penalty_factor)
 
-    def log_probs(self, batch: DataProto, t: dict[str, float]) -> None:
-        """Add ``ref_log_prob`` (B, R) when a KL term uses it (``algorithm.use_kl_in_reward`` or
-        ``actor.use_kl_loss``) and ``old_log_probs`` (B, R): the actor's forward, or with
-        ``algorithm.bypass_old_log_prob`` the sampling policy's ``rollout_log_probs`` (no forward), or nothing when
-        they equal the update's own detached logprobs (:mod:`hybridflow.trainer.old_log_prob`). Both forwards run
-        on the actor's group: when both are needed they come in one call; when only the update's KL loss reads the
-        reference logprobs, the update call computes them (``REF_IN_UPDATE``) and they never visit the driver."""
+    def log_prob_forwards(self) -> tuple[str, ...]:
+        """The actor group's forwards whose outputs a step reads on the driver: ``"ref"`` (``ref_log_prob``, when a
+        KL term uses it, unless only the update's KL loss reads it: then the update call computes it,
+        ``REF_IN_UPDATE``) and ``"old"`` (``old_log_probs``, unless pi_old is the rollout's
+        (``algorithm.bypass_old_log_prob``) or the update's own detached logprobs
+        (:mod:`hybridflow.trainer.old_log_prob`))."""
         alg = self.config.algorithm
         need_ref = alg.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss
-        # pi_old: the sampling policy's logprobs (bypass: no forward), or the update's own detached ones
         need_old = not alg.bypass_old_log_prob and not old_log_prob_is_current(self.config)
-        if need_ref and need_old:  # both forwards run on the actor's group: one call, one transfer of the batch
+        ref_in_update = need_ref and not need_old and not alg.use_kl_in_reward and not alg.bypass_old_log_prob
+        return tuple(name for name, needed in (("ref", need_ref and not ref_in_update), ("old", need_old)) if needed)
+
+    def log_probs_in_generation(self) -> tuple[str, ...]:
+        """The :meth:`log_prob_forwards` to run inside the generation call (:meth:`generate`'s ``log_probs``): all
+        of them when the actor group generates in its training layout (the rollout's dp rank and collecting ranks
+        are the training mesh's, so each rank's generated rows are rows it may score), else none (e.g. the
+        3D-HybridEngine generating with another tp, or a pipeline-parallel actor)."""
+        info = getattr(self.actor, "dispatch_info", None)
+        if info is None:
+            return ()
+        rollout, training = info("rollout"), info("actor")
+        if (rollout.dp_rank, rollout.is_collect) != (training.dp_rank, training.is_collect):
+            return ()
+        return self.log_prob_forwards()
+
+    def log_probs(self, batch: DataProto, t: dict[str, float]) -> None:
+        """Add ``ref_log_prob`` (B, R) and ``old_log_probs`` (B, R) as :meth:`log_prob_forwards` asks, in one call
+        of the actor's group when both are needed, unless the generation call already added them (:meth:`generate`
+        with ``log_probs``); with ``algorithm.bypass_old_log_prob`` ``old_log_probs`` is the sampling policy's
+        ``rollout_log_probs`` (no forward). When only the update's KL loss reads the reference logprobs, the update
+        call computes them (``REF_IN_UPDATE``) and they never visit the driver."""
+        alg = self.config.algorithm
+        columns = {"ref": "ref_log_prob", "old": "old_log_probs"}
+        wanted = self.log_prob_forwards()
+        forwards = [f for f in wanted if columns[f] not in batch.batch]
+        if forwards == ["ref", "old"]:  # both forwards run on the actor's group: one call, one transfer
             with timer("ref_and_old_log_prob", t):
                 batch.union(self.actor.compute_ref_and_old_log_prob(batch))
-        elif need_ref and not alg.use_kl_in_reward and not alg.bypass_old_log_prob:
-            # only the update's KL loss reads them (and it logs rollout/kl itself): computed in that call
-            batch.meta_info[REF_IN_UPDATE] = True
-        elif need_ref:
+        elif forwards == ["ref"]:
             with timer("ref", t):
                 batch.union(self.actor.compute_ref_log_prob(batch))
-        elif need_old:
+        elif forwards == ["old"]:
             with timer("old_log_prob", t):
                 batch.union(self.actor.compute_log_prob(batch))
+        needs_ref = alg.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss
+        if needs_ref and "ref" not in wanted:  # only the update's KL loss reads them (it logs rollout/kl itself)
+            batch.meta_info[REF_IN_UPDATE] = True
         if alg.bypass_old_log_prob:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
 
@@ -302,15 +341,22 @@ class SharedWithPPO:
         setattr(obj.ppo, self.name, value)
 
 
-def in_background(fn: Any, *args: Any) -> Future:
+class _Pending(Future):
+    """A thread's result: ``get()`` as a worker group's future has."""
+
+    def get(self) -> Any:
+        return self.result()
+
+
+def in_background(fn: Any, *args: Any) -> _Pending:
     """``fn(*args)`` in a daemon thread (a call stuck at Ctrl-C or on a dead worker never holds up the exit);
-    returns the future of its result or exception."""
-    future: Future = Future()
+    returns the future of its result or exception (``get()``)."""
+    future = _Pending()
 
     def run() -> None:
         try:
             future.set_result(fn(*args))
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller by future.result()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller by future.get()
             future.set_exception(err)
 
     threading.Thread(target=run, name=f"background-{getattr(fn, '__name__', 'call')}", daemon=True).start()

@@ -100,7 +100,7 @@ class SafeRLHFTrainer(Driver):
         """One Safe-RLHF iteration on a batch of prompts; returns its metrics."""
         t: dict[str, float] = {}
         with timer("step", t):
-            batch = self.ppo.generate_and_score(batch, t)
+            batch = self.ppo.generate_and_score(batch, t, log_probs=self.ppo.log_probs_in_generation())
             with timer("cost", t):
                 batch.batch["token_level_cost_scores"] = self.cost.compute_cost(batch)
             self.ppo.log_probs(batch, t)
@@ -116,7 +116,7 @@ class SafeRLHFTrainer(Driver):
                 cost_metrics = absorb_metrics(self.cost_critic.update_critic(cost_targets), batch)
                 metrics.update({"cost_" + k: v for k, v in cost_metrics.items()})
             metrics.update(self.ppo.update_actor(batch, t))
-            metrics.update(self.ppo.pop_sync_metrics())  # LoRA: the rollout's weights checked (sync/verified)
+            metrics.update(self.ppo.pop_gen_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.ppo.step_metrics(batch, metrics, t)
 
     def lagrangian_advantages(self, batch: DataProto) -> dict[str, float]:

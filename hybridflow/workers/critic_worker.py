@@ -12,6 +12,7 @@ from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
 from hybridflow.config.megatron_checks import engine_layout
 from hybridflow.training import EngineSpec, get_engine_class
+from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.inputs import CriticInputs, expect, expect_section
@@ -68,7 +69,8 @@ class CriticWorker(Worker):
         self.critic = PPOCritic(engine, None, cfg)
         engine.offload()
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic", batch_keys=columns.SEQUENCE,
+              non_tensor_batch_keys=columns.NONE)
     @report_time
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
@@ -78,7 +80,8 @@ class CriticWorker(Worker):
                                                 cfg.forward_max_token_len_per_gpu)
         return DataProto.from_dict(tensors={"values": values})
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic")
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic", batch_keys=columns.CRITIC_UPDATE,
+              non_tensor_batch_keys=columns.NONE)
     @report_time
     def update_critic(self, data: DataProto) -> DataProto:
         """One clipped value-loss update; returns ``meta_info["metrics"]``."""

@@ -13,6 +13,7 @@ import torch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
+from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
 from hybridflow.rewards import load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
@@ -67,7 +68,7 @@ class RuleRewardWorker(Worker):
         spec = self.config.compute_score
         self.compute_score = None if spec == "default" else load_compute_score(spec)  # None: the registry
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, batch_keys=columns.RESPONSES)
     @report_time
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``token_level_scores`` (B, R) fp32 from ``responses``/``response_mask`` and the non-tensor columns
@@ -81,7 +82,7 @@ class RuleRewardWorker(Worker):
         return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
                                             "reward_error": torch.tensor(errors, dtype=torch.bool)})
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, batch_keys=columns.RESPONSES)
     @report_time
     def compute_rule_cost(self, data: DataProto) -> DataProto:
         """``token_level_cost_scores`` (B, R) fp32: the rule cost ``cost_model.rule`` of each decoded response

@@ -142,3 +142,30 @@ def test_gae_errors():
     with pytest.raises(TypeError, match="'gae' needs 'values'"):
         get_adv_estimator_fn("gae")(token_level_rewards=torch.zeros(2, 3), response_mask=torch.ones(2, 3),
                                     values=None, config=AlgorithmConfig())
+
+
+@pytest.mark.parametrize("discount", [0.0, 0.5, 0.97, 1.0])
+def test_discounted_reverse_cumsum_across_blocks_equals_the_loop(discount):
+    from hybridflow.algorithms.advantage import discounted_reverse_cumsum
+
+    x = torch.randn(3, 21, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    expected = torch.zeros_like(x)
+    running = torch.zeros(3, dtype=torch.float64)
+    for t in reversed(range(21)):  # y_t = x_t + discount * y_{t+1}
+        running = x[:, t] + discount * running
+        expected[:, t] = running
+    for block in (4, 7, 21, 64):  # several blocks (with a short first one), one exact block, one larger block
+        torch.testing.assert_close(discounted_reverse_cumsum(x, discount, block=block), expected)
+
+
+def test_gae_matches_slow_reference_on_a_response_longer_than_a_block():
+    rng = random.Random(7)
+    batch, length, gamma, lam = 3, 300, 0.99, 0.95
+    rewards = [[rng.gauss(0, 1) for _ in range(length)] for _ in range(batch)]
+    values = [[rng.gauss(0, 1) for _ in range(length)] for _ in range(batch)]
+    mask = [[1 if t < n and rng.random() > 0.1 else 0 for t in range(length)] for n in (300, 280, 3)]
+    adv, ret = compute_gae_advantage_return(torch.tensor(rewards), torch.tensor(values), torch.tensor(mask),
+                                            gamma, lam)
+    exp_adv, exp_ret = reference_gae(rewards, values, mask, gamma, lam)
+    assert torch.allclose(ret, torch.tensor(exp_ret), atol=1e-4)
+    assert torch.allclose(adv, torch.tensor(exp_adv), atol=1e-4)

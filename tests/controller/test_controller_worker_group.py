@@ -7,6 +7,7 @@ import os
 import sys
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -74,6 +75,13 @@ class EchoWorker(Worker):
         return DataProto.from_dict(
             {"x": data.batch["x"], "rank": torch.full((n,), self.rank), "seen": torch.full((n,), n)}
         )
+
+    @register(Dispatch.DP_COMPUTE_PROTO, batch_keys=("x", "absent"), non_tensor_batch_keys=())
+    def columns_seen(self, data):
+        """The columns this rank received, as meta_info (a method that declares what it reads)."""
+        return DataProto.from_dict({"x": data.batch["x"]},
+                                   meta_info={"batch": sorted(data.batch), "non_tensor": sorted(data.non_tensor_batch),
+                                              "meta": dict(data.meta_info)})
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def repeat_rows(self, data, n):
@@ -195,6 +203,27 @@ def test_dp_compute_proto_pads_then_unpads_non_divisible_batch(echo):
     # padded to 6 rows, so each rank saw 3 rows; rank 1 had rows 3, 4 (+ one padding row, removed)
     assert out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
     assert out.batch["seen"].tolist() == [3] * 5
+
+
+def test_a_method_is_sent_only_the_columns_it_declares(echo):
+    batch = rows(4)
+    batch.batch["y"] = torch.zeros(4)
+    batch.non_tensor_batch["text"] = np.array(["a", "b", "c", "d"], dtype=object)
+    batch.meta_info["temperature"] = 0.7
+    out = echo.columns_seen(batch)
+    assert out.meta_info["batch"] == ["x"] and out.meta_info["non_tensor"] == []  # "absent" is skipped
+    assert out.meta_info["meta"] == {"temperature": 0.7} and out.batch["x"].tolist() == [0, 1, 2, 3]
+    assert sorted(batch.batch) == ["x", "y"] and "text" in batch.non_tensor_batch  # the caller's batch is intact
+    with pytest.raises(TypeError, match="batch_keys must be a tuple"):
+        register(Dispatch.DP_COMPUTE_PROTO, batch_keys=["x"])
+
+
+def test_submit_starts_a_blocking_method_and_returns_its_future(echo):
+    pending = echo.tag_rows.submit(rows(5))  # tag_rows is registered blocking: submit does not wait
+    assert isinstance(pending, DataProtoFuture)
+    out = pending.get()
+    assert out.batch["x"].tolist() == [0, 1, 2, 3, 4]  # padded to 6 and unpadded as the blocking call does
+    assert out.batch["rank"].tolist() == [0, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

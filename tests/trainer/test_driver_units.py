@@ -253,3 +253,72 @@ def test_train_on_balances_the_rows_for_the_actors_dp_ranks(tmp_path):
     assert out["perf/dp_token_imbalance_before"] == pytest.approx(11 / 8.5)
     assert out["perf/dp_token_imbalance"] == pytest.approx(9 / 8.5)
     assert list(batch.non_tensor_batch["uid"]) == ["a", "b", "a", "b"]
+
+
+class _Layout:
+    def __init__(self, dp_rank, is_collect):
+        self.dp_rank, self.is_collect, self.dp_size = dp_rank, is_collect, len(set(dp_rank))
+
+
+class _GeneratingActor(_OverlapActor):
+    """Generates 2-token responses; its rollout layout is ``rollout`` and its training layout dp=2."""
+
+    def __init__(self, calls, rollout):
+        super().__init__(calls)
+        self.layouts = {"rollout": rollout, "actor": _Layout((0, 1), (True, True))}
+
+    def dispatch_info(self, mesh):
+        return self.layouts[mesh]
+
+    def generate_sequences(self, prompts):
+        forwards = prompts.meta_info.get("log_probs_in_generate")
+        self.calls.append(("generate", forwards))
+        b, p = prompts.batch["input_ids"].shape
+        out = {"responses": torch.ones(b, 2, dtype=torch.long), "response_mask": torch.ones(b, 2, dtype=torch.long),
+               "attention_mask": torch.ones(b, p + 2, dtype=torch.long)}
+        zeros = torch.zeros(b, 2)
+        out.update({k: zeros for k, f in (("ref_log_prob", "ref"), ("old_log_probs", "old")) if f in (forwards or ())})
+        metrics = {"timing_worker_s/ref_log_prob_in_generate": 0.1} if forwards else {}
+        return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
+
+    def update_actor(self, data):
+        self.calls.append("update_actor")
+        assert {"ref_log_prob", "old_log_probs"} <= set(data.batch.keys())
+        return DataProto(meta_info={"metrics": {}})
+
+
+class _Critic:
+    def compute_values(self, data):
+        return DataProto.from_dict(tensors={"values": torch.zeros(data.batch["responses"].shape)})
+
+    def update_critic(self, data):
+        return DataProto(meta_info={"metrics": {}})
+
+
+class _Reward:
+    def compute_rm_score(self, data):
+        return DataProto.from_dict(tensors={"token_level_scores": data.batch["response_mask"].float()})
+
+
+@pytest.mark.parametrize("same_layout", [True, False])
+def test_ppo_step_runs_the_reference_and_old_forwards_in_the_generation_call_when_layouts_agree(tmp_path,
+                                                                                                same_layout):
+    # the quickstart needs both forwards (KL in the reward reads the reference and pi_old before the update)
+    cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
+                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                     "critic.ppo_micro_batch_size_per_gpu=2"])
+    calls = []
+    rollout = _Layout((0, 1), (True, True)) if same_layout else _Layout((0, 0), (True, False))  # else: tp=2
+    trainer = PPOTrainer(cfg, _GeneratingActor(calls, rollout), _Critic(), _Reward())
+    trainer.global_step = 1
+    prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(4, 3, dtype=torch.long),
+                                           "attention_mask": torch.ones(4, 3, dtype=torch.long),
+                                           "position_ids": torch.arange(3).expand(4, -1)})
+    metrics = trainer.step(prompts)
+    if same_layout:
+        assert calls[0] == ("generate", ["ref", "old"]) and "actor_forward" not in calls
+        assert metrics["timing_worker_s/ref_log_prob_in_generate"] == 0.1
+    else:  # another generation layout: the rows a rank generated are not its training rows
+        assert calls[0] == ("generate", None) and calls.count("actor_forward") == 1
+    assert calls[-1] == "update_actor"
