@@ -117,6 +117,13 @@ def _to_wire(t: torch.Tensor) -> Any:
         return t.view(torch.uint8).numpy(), t.dtype  # (..., n * itemsize); DataProto tensors are never 0-d
 
 
+def _wire_form(t: torch.Tensor) -> Any:
+    """:func:`_to_wire` of ``t``; a tensor that stays a tensor is first made compact (a numpy array pickles only
+    its own bytes, so a CPU view needs no copy; torch's pickling would write the view's whole parent storage)."""
+    wire = _to_wire(t)
+    return _compact(wire) if isinstance(wire, torch.Tensor) else wire
+
+
 def _from_wire(value: Any) -> torch.Tensor:
     """The tensor :func:`_to_wire` encoded (its own writable memory)."""
     if isinstance(value, torch.Tensor):
@@ -522,7 +529,7 @@ class DataProto:
     def __getstate__(self) -> dict:
         # A slice/chunk is a view; plain pickling of a view writes its parent's whole storage.
         state = dict(self.__dict__)
-        state["batch"] = {k: _to_wire(_compact(v)) for k, v in self.batch.items()}
+        state["batch"] = {k: _wire_form(v) for k, v in self.batch.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
