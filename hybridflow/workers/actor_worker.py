@@ -50,6 +50,7 @@ from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engin
 from hybridflow.config.megatron_checks import engine_layout
 from hybridflow.training import EngineSpec, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
+from hybridflow.utils.allocator import keep_freed_host_memory
 from hybridflow.workers import columns
 from hybridflow.workers.inputs import LOG_PROBS_IN_GENERATE, REF_IN_UPDATE, ActorInputs, expect, expect_section
 from hybridflow.workers.ppo_actor import PPOActor
@@ -64,9 +65,11 @@ ROLES = ("actor_rollout_ref", "actor_rollout", "ref", "actor_ref")
 
 def setup_worker_process() -> None:
     """Per-process settings of a training worker: one intra-op thread per rank unless OMP_NUM_THREADS says
-    otherwise (ranks share the host's cores); silence FSDP2's warning about view outputs (the workers only
-    slice model outputs out of place)."""
+    otherwise (ranks share the host's cores); freed host buffers kept mapped for the next micro-batch
+    (:func:`hybridflow.utils.allocator.keep_freed_host_memory`); silence FSDP2's warning about view outputs (the
+    workers only slice model outputs out of place)."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    keep_freed_host_memory()
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
