@@ -2,7 +2,7 @@
 # Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
 # each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
 # Meant for a quiet machine (nothing else running; each result records the load average): about 25 minutes on
-# 2 cores (22 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
+# 2 cores (27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
 # load to fall below 1.5). Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison
 # (skipped otherwise).
 #
@@ -54,6 +54,12 @@ run call_overhead python benchmarks/call_overhead.py
 # TRL / hybridflow at the default tiny shape and at the medium shape, TRL with 1 and 2 threads (targets 1.5 / 1.2)
 run compare_trl_tiny python benchmarks/compare_trl.py --trl-threads 1,2
 run compare_trl_medium python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 --trl-threads 1,2
+# the same with hybridflow on its vLLM rollout (README's recommendation at this shape; TRL stays on hf generate:
+# its colocated vLLM fails here, see compare_trl.py)
+if python -c 'import vllm' 2>/dev/null; then
+  run compare_trl_medium_vllm python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 \
+    --trl-threads 1,2 --rollout vllm
+fi
 if python -c 'import sys; from hybridflow.distributed.precision import bf16_is_faster; sys.exit(0 if bf16_is_faster() else 1)'; then
   run compare_trl_tiny_bf16 python benchmarks/compare_trl.py --dtype bfloat16 --trl-threads 1,2
 fi
