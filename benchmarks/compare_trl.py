@@ -164,10 +164,32 @@ def _thread_counts(text: str) -> list[int]:
     return counts
 
 
+def _at_least_two(text: str) -> int:
+    """``--steps``: an integer >= 2 (the first step is warm-up, so one step would time nothing)."""
+    try:
+        steps = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--steps: an integer >= 2, got {text!r}") from err
+    if steps < 2:
+        raise argparse.ArgumentTypeError(f"--steps: at least 2 (the first step is warm-up), got {steps}")
+    return steps
+
+
+def _require_trl() -> None:
+    """Stop with one line when the bench extra (TRL, datasets) is missing, before any run starts."""
+    import importlib.util
+
+    missing = [m for m in ("trl", "datasets") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"compare_trl.py: {', '.join(missing)} not installed: pip install -e \".[bench]\" "
+                         "(or pass --skip-trl for hybridflow alone)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=MODEL, help="builtin:NAME, a local HF directory, or a preset (medium)")
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is warm-up)")
+    parser.add_argument("--steps", type=_at_least_two, default=6,
+                        help="training steps per run, >= 2 (the first is warm-up and not timed)")
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32, choices=range(1, MAX_NEW_TOKENS + 1),
@@ -190,7 +212,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = _parser().parse_args()
-    args.trl_threads = args.trl_threads or sorted({1, args.ranks})
+    args.trl_threads = [] if args.skip_trl else args.trl_threads or sorted({1, args.ranks})
+    if not args.skip_trl:
+        _require_trl()
     logging.basicConfig(level=logging.WARNING)
     from hybridflow.models.presets import parameter_count, resolve_benchmark_model
 

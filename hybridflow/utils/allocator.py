@@ -12,8 +12,8 @@ same-run matmul rate with them and 0.64 / 0.67 without (two runs each), while th
 change beyond run-to-run noise.
 
 Skipped (returns ``False``) where the C library has no ``mallopt`` (macOS, musl) and where the user already tuned
-glibc through ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``GLIBC_TUNABLES``; switched off with
-``HYBRIDFLOW_MALLOC_TUNING=0``.
+glibc's malloc through ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc.*`` entry of
+``GLIBC_TUNABLES``; switched off with ``HYBRIDFLOW_MALLOC_TUNING`` set to ``0``, ``false``, ``no`` or ``off``.
 """
 
 from __future__ import annotations
@@ -29,12 +29,18 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD_BYTES = 1 << 30
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+OFF = ("0", "false", "no", "off")
+
+
+def _user_tuned() -> bool:
+    """Whether the environment already sets glibc's malloc parameters."""
+    return any(k in os.environ for k in USER_SETTINGS) or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
 
 
 def keep_freed_host_memory() -> bool:
     """Apply the settings above to this process; ``True`` when both ``mallopt`` calls succeeded."""
-    if os.environ.get("HYBRIDFLOW_MALLOC_TUNING", "1") == "0" or any(k in os.environ for k in USER_SETTINGS):
+    if os.environ.get("HYBRIDFLOW_MALLOC_TUNING", "1").strip().lower() in OFF or _user_tuned():
         return False
     name = ctypes.util.find_library("c")
     try:

@@ -26,3 +26,18 @@ def test_thread_counts_and_max_new_tokens_are_parsed(repo_script):
     assert (args.model, args.max_new_tokens, args.trl_threads) == ("medium", 256, [1, 2])
     with pytest.raises(SystemExit):
         module._parser().parse_args(["--max-new-tokens", "257"])
+
+
+def test_steps_below_two_and_a_missing_bench_extra_stop_with_one_line(repo_script, monkeypatch):
+    module = repo_script("benchmarks/compare_trl.py")
+    assert module._parser().parse_args(["--steps", "2"]).steps == 2
+    for bad in ("1", "0", "x"):
+        with pytest.raises(SystemExit):
+            module._parser().parse_args(["--steps", bad])
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"trl not installed: pip install -e \".\[bench\]\"") as err:
+        module._require_trl()
+    assert "--skip-trl" in str(err.value)

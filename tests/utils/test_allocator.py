@@ -62,3 +62,9 @@ def test_glibc_defaults_mmap_a_4mib_block():  # the control: without the setting
 def test_user_tuning_is_left_alone():
     assert _probe(MALLOC_MMAP_THRESHOLD_=str(1 << 20))[0] == 0
     assert _probe(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1")[0] == 0
+    assert _probe(GLIBC_TUNABLES="glibc.pthread.rseq=0") == (1, 0)  # a tunable that is not malloc's
+
+
+def test_spellings_of_off():
+    for value in ("false", " OFF ", "no"):
+        assert _probe(HYBRIDFLOW_MALLOC_TUNING=value) == (0, 1)
