@@ -37,7 +37,9 @@ def test_steps_below_two_and_a_missing_bench_extra_stop_with_one_line(repo_scrip
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
-    with pytest.raises(SystemExit, match=r"trl not installed: pip install -e \".\[bench\]\"") as err:
+    # neither is importable, whatever this environment has installed
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("trl", "datasets") else real(name, *a))
+    with pytest.raises(SystemExit, match=r"trl, datasets not installed: pip install -e \".\[bench\]\"") as err:
         module._require_trl()
     assert "--skip-trl" in str(err.value)
