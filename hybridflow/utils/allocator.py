@@ -19,7 +19,6 @@ glibc's malloc through ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 
@@ -42,12 +41,9 @@ def keep_freed_host_memory() -> bool:
     """Apply the settings above to this process; ``True`` when both ``mallopt`` calls succeeded."""
     if os.environ.get("HYBRIDFLOW_MALLOC_TUNING", "1").strip().lower() in OFF or _user_tuned():
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+    try:  # the process's own symbols: libc's mallopt where the C library has one (no ldconfig lookup)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
