@@ -25,7 +25,7 @@ from hybridflow.distributed.tp import tp_dims
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.micro import apply_gradients, response_forward
-from hybridflow.training.packing import packed_forward
+from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 
 __all__ = ["FSDP2Engine"]
@@ -93,6 +93,8 @@ class FSDP2Engine(TrainEngine):
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
         module = _load_module(spec, weights)
+        if spec.device == "cpu" and (compute or weights) in (torch.bfloat16, torch.float16):
+            use_fp32_attention_backward(module)  # torch's bf16 CPU attention backward is the slow kernel
         replicated = resolve_fsdp_size(spec.fsdp_size, module, spec.device, trained=spec.optim is not None,
                                        param_offload=spec.param_offload, lora=spec.lora, tp=spec.layout.tp,
                                        dp=spec.layout.dp)

@@ -16,6 +16,10 @@ sequence:
 Equal results: each token sees exactly the keys it sees in the padded forward (its own sequence's earlier tokens, at
 the same positions), so logits agree to float rounding (tests/workers/test_packing.py: <= 1e-5 fp32).
 
+The same attention function also serves bf16 training on CPU, packed or not (:func:`use_fp32_attention_backward`,
+switched on by the fsdp2 engine): attention that autograd will differentiate runs in fp32 there, because torch's
+bf16 CPU attention backward is the slow kernel (tests/training/test_cpu_attention_dtype.py).
+
 Shapes: B sequences, P prompt width, R response width, T valid tokens, V vocabulary (1 for a value model).
 """
 
@@ -43,6 +47,13 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     ``cu_seq_lens_q`` (S+1,) int32 in ``kwargs`` (S sequences); each sequence attends causally to itself only.
     Returns ``(out (1, T, H, D), None)`` like transformers' ``sdpa_attention_forward``. Without ``cu_seq_lens_q``
     (or with a KV cache: key length != query length) it is ``sdpa_attention_forward`` unchanged."""
+    if _upcast_for_cpu_backward(query, key, value):
+        with torch.autocast("cpu", enabled=False):
+            mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
+                else attention_mask
+            out, _ = varlen_sdpa_attention(module, query.float(), key.float(), value.float(), mask, dropout, scaling,
+                                           **kwargs)
+        return out.to(value.dtype), None
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None or query.shape[2] != key.shape[2]:
         if _masked_gqa(module, query, attention_mask, kwargs):
@@ -56,6 +67,20 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                    scaling=scaling, is_causal=True, **kwargs)[0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     return torch.cat(outs, dim=1), None
+
+
+def _upcast_for_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a bf16/fp16 attention on CPU that autograd will differentiate should run in fp32: torch's CPU
+    flash-attention *backward* in bf16 is 2-6x slower than in fp32 (torch 2.13, 1 thread: (8, 4, 29, 32)
+    fwd+bwd 2.3 ms vs 0.39 ms; (16, 8, 160, 64) 53 ms vs 30 ms), while its forward is about 2x faster at most, so the
+    training forward + backward is faster in fp32 (the casts are O(T x H x D)). Forwards without grad (reference,
+    old logprobs, rollout) keep their dtype. Under CPU autocast the dtype is autocast's (SDPA is on its bf16 list;
+    the rotary embedding hands attention fp32 queries)."""
+    if query.device.type != "cpu" or not torch.is_grad_enabled():
+        return False
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype  # autocast casts
+    return dtype in (torch.bfloat16, torch.float16) and (query.requires_grad or key.requires_grad
+                                                         or value.requires_grad)
 
 
 def _masked_gqa(module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -152,6 +177,16 @@ def use_varlen_attention(module: torch.nn.Module) -> bool:
             if sub is not None:
                 sub._attn_implementation = VARLEN_ATTENTION
     return True
+
+
+def use_fp32_attention_backward(module: torch.nn.Module) -> bool:
+    """Make an ``sdpa`` module attend with :func:`varlen_sdpa_attention`, which runs bf16/fp16 attention that will be
+    differentiated on CPU in fp32 (:func:`_upcast_for_cpu_backward`); everything else is plain ``sdpa``. Other
+    implementations (``eager`` for a model that needs it, flash kernels) are left alone. Returns whether it
+    switched (or had already)."""
+    config = getattr(module, "config", None)
+    current = (getattr(config, "_attn_implementation", None) or "sdpa") if config is not None else None
+    return current in ("sdpa", VARLEN_ATTENTION) and use_varlen_attention(module)
 
 
 def _packed_outputs(module: torch.nn.Module, micro: DataProto,
