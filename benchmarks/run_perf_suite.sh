@@ -62,6 +62,8 @@ if python -c 'import vllm' 2>/dev/null; then
 fi
 if python -c 'import sys; from hybridflow.distributed.precision import bf16_is_faster; sys.exit(0 if bf16_is_faster() else 1)'; then
   run compare_trl_tiny_bf16 python benchmarks/compare_trl.py --dtype bfloat16 --trl-threads 1,2
+  run compare_trl_medium_bf16 python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 \
+    --dtype bfloat16 --trl-threads 1,2
 fi
 
 # quickstart step profile: controller overhead (target <= 5%), padding fraction (<= 10% with use_remove_padding);
