@@ -2,7 +2,7 @@
 # Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
 # each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
 # Meant for a quiet machine (nothing else running; each result records the load average): about 30 minutes on
-# 2 cores (27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
+# 2 cores (19-27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
 # load to fall below 1.5). Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison
 # (skipped otherwise).
 #
