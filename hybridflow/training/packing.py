@@ -9,8 +9,9 @@ sequence:
 - ``flash_attention_2/3/4`` (GPU): the model's own varlen path, from ``cu_seq_lens_q/k`` and ``max_length_q/k`` (the
   cumulative sequence lengths) passed as forward kwargs;
 - any other implementation (``sdpa``, ``eager``; CPU): :func:`varlen_sdpa_attention`, registered with transformers'
-  ``AttentionInterface`` as ``hybridflow_varlen``: one causal SDPA call per sequence (exactly the FLOPs of the valid
-  tokens, no (T, T) mask). Called without ``cu_seq_lens_q`` (generation, padded forwards of the same module) it is
+  ``AttentionInterface`` as ``hybridflow_varlen``: the sequences as one right-padded batch in one causal SDPA call
+  when their lengths are close (:data:`BATCHED_ATTENTION_WASTE`), else one causal SDPA call per sequence (exactly
+  the FLOPs of the valid tokens); never a (T, T) mask. Called without ``cu_seq_lens_q`` (generation, padded forwards of the same module) it is
   plain ``sdpa``, so switching a module to it changes nothing else.
 
 Equal results: each token sees exactly the keys it sees in the padded forward (its own sequence's earlier tokens, at
@@ -38,6 +39,9 @@ from hybridflow.protocol import DataProto
 VARLEN_ATTENTION = "hybridflow_varlen"
 _PLAIN_ATTENTION_KWARGS = {"position_ids", "use_cache", "cache_position"}  # kwargs that do not change attention
 _FLASH_PREFIX = "flash_attention"
+#: the packed row's sequences attend as one right-padded batch when that computes at most this many times the
+#: attention scores of one call per sequence (S x L^2 against the sum of squared lengths); else one call each
+BATCHED_ATTENTION_WASTE = 2.0
 
 
 def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -63,10 +67,35 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
         kwargs.pop(name, None)
     bounds = cu.tolist()
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if len(lengths) > 1 and len(lengths) * max(lengths) ** 2 <= BATCHED_ATTENTION_WASTE * sum(n * n for n in lengths):
+        return _batched_causal(module, query, key, value, cu, lengths, dropout, scaling, kwargs), None
     outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, dropout=dropout,
                                    scaling=scaling, is_causal=True, **kwargs)[0]
             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     return torch.cat(outs, dim=1), None
+
+
+def _batched_causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    cu: torch.Tensor, lengths: list[int], dropout: float, scaling: float | None,
+                    kwargs: dict) -> torch.Tensor:
+    """The packed row's S sequences as one right-padded (S, H, L, D) batch, L the longest, in one causal SDPA call;
+    returns (1, T, H, D). Exact for every real token: under the causal mask query i of a sequence sees keys
+    0..i, all its own, and the padding sits after its last token. One call instead of S (each costs ~0.1 ms of
+    fixed overhead forward and backward on CPU); the padded rows' outputs are dropped."""
+    total, longest = query.shape[2], max(lengths)
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=query.device),
+                                  torch.tensor(lengths, device=query.device))
+    index = seq * longest + torch.arange(total, device=query.device) - cu[:-1].long()[seq]  # (T,) slot in S x L
+
+    def batched(x: torch.Tensor) -> torch.Tensor:  # (1, H, T, D) -> (S, H, L, D), zeros after each sequence
+        rows = x[0].transpose(0, 1)
+        full = rows.new_zeros(len(lengths) * longest, *rows.shape[1:]).index_copy(0, index, rows)
+        return full.view(len(lengths), longest, *rows.shape[1:]).transpose(1, 2)
+
+    out = sdpa_attention_forward(module, batched(query), batched(key), batched(value), None, dropout=dropout,
+                                 scaling=scaling, is_causal=True, **kwargs)[0]  # (S, L, H, D)
+    return out.reshape(len(lengths) * longest, *out.shape[2:])[index][None]
 
 
 def _upcast_for_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
