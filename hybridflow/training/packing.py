@@ -11,8 +11,8 @@ sequence:
 - any other implementation (``sdpa``, ``eager``; CPU): :func:`varlen_sdpa_attention`, registered with transformers'
   ``AttentionInterface`` as ``hybridflow_varlen``: the sequences as one right-padded batch in one causal SDPA call
   when their lengths are close (:data:`BATCHED_ATTENTION_WASTE`), else one causal SDPA call per sequence (exactly
-  the FLOPs of the valid tokens); never a (T, T) mask. Called without ``cu_seq_lens_q`` (generation, padded forwards of the same module) it is
-  plain ``sdpa``, so switching a module to it changes nothing else.
+  the FLOPs of the valid tokens); never a (T, T) mask. Called without ``cu_seq_lens_q`` (generation, padded
+  forwards of the same module) it is plain ``sdpa``, so switching a module to it changes nothing else.
 
 Equal results: each token sees exactly the keys it sees in the padded forward (its own sequence's earlier tokens, at
 the same positions), so logits agree to float rounding (tests/workers/test_packing.py: <= 1e-5 fp32).
