@@ -194,11 +194,17 @@ def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remov
     stats[f"perf/{role}_valid_tokens"] = stats.get(f"perf/{role}_valid_tokens", 0.0) + valid
 
 
+def _attention_implementation(module: torch.nn.Module) -> str | None:
+    """The attention implementation ``module``'s config names (``sdpa`` when unset; None without a config)."""
+    config = getattr(module, "config", None)
+    return (getattr(config, "_attn_implementation", None) or "sdpa") if config is not None else None
+
+
 def use_varlen_attention(module: torch.nn.Module) -> bool:
     """Make ``module`` attend with :func:`varlen_sdpa_attention` unless it runs a flash-attention kernel (which has
     its own varlen path). Returns True when the module's attention is now ``hybridflow_varlen``."""
     config = module.config
-    current = getattr(config, "_attn_implementation", None) or "sdpa"
+    current = _attention_implementation(module)
     if current.startswith(_FLASH_PREFIX):
         return False
     if current != VARLEN_ATTENTION:
@@ -213,9 +219,7 @@ def use_fp32_attention_backward(module: torch.nn.Module) -> bool:
     differentiated on CPU in fp32 (:func:`_upcast_for_cpu_backward`); everything else is plain ``sdpa``. Other
     implementations (``eager`` for a model that needs it, flash kernels) are left alone. Returns whether it
     switched (or had already)."""
-    config = getattr(module, "config", None)
-    current = (getattr(config, "_attn_implementation", None) or "sdpa") if config is not None else None
-    return current in ("sdpa", VARLEN_ATTENTION) and use_varlen_attention(module)
+    return _attention_implementation(module) in ("sdpa", VARLEN_ATTENTION) and use_varlen_attention(module)
 
 
 def _packed_outputs(module: torch.nn.Module, micro: DataProto,
