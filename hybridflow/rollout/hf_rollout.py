@@ -208,11 +208,10 @@ class HFRollout(BaseRollout):
         # response tokens per row: the step at which the row emitted its eos (1-based), else R
         lengths = torch.full((rows,), length, dtype=torch.long, device=input_ids.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-        from transformers import DynamicCache  # here: importing the rollout registry stays light
+        from hybridflow.models.hf import accepts_logits_to_keep  # here: importing the rollout registry stays light
+        from hybridflow.rollout.kv_cache import preallocated_cache
 
-        from hybridflow.models.hf import accepts_logits_to_keep
-
-        cache = DynamicCache(config=self.module.config)
+        cache = preallocated_cache(self.module.config, input_ids.shape[1] + length)
         step_ids, step_positions = input_ids, position_ids
         mask = attention_mask
         # the output head on the last position only (the prompt's other positions are never read)
