@@ -112,4 +112,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hybridflow.cli import run_script
+
+    sys.exit(run_script(main))  # a config typo or a bad path: one line, not a traceback

@@ -48,29 +48,36 @@ def _settings(args) -> dict:
             "rollout_trl": args.trl_rollout}
 
 
+def hybridflow_config(args, path: str, out: str):
+    """The GRPO config of the hybridflow side (run directory ``out``). Raises ``ConfigError`` for a bad override:
+    :func:`main` builds it before TRL's runs, so a typo stops the benchmark at once, not minutes in."""
+    from hybridflow.config import load_config
+
+    return load_config("grpo_quickstart", [
+        f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", f"trainer.n_gpus_per_node={args.ranks}",
+        "trainer.plot_curves=false", f"actor_rollout_ref.model.path={path}",
+        f"actor_rollout_ref.model.dtype={args.dtype}", "actor_rollout_ref.model.use_remove_padding=true",
+        f"data.train_batch_size={args.prompts_per_step}",
+        f"data.builtin_train_size={args.steps * args.prompts_per_step}",
+        "data.shuffle=false", f"data.seed={SEED}", f"data.max_response_length={args.max_new_tokens}",
+        f"actor_rollout_ref.rollout.n={args.group_size}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts_per_step}",  # one update per step
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+        f"{args.prompts_per_step * args.group_size // args.ranks}",
+        f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.name={args.rollout}",
+        f"trainer.seed={SEED}", *args.overrides,
+    ])
+
+
 def run_hybridflow(args, path: str) -> dict:
     """GRPO through the normal entry point; per-step seconds and generated tokens from metrics.jsonl."""
-    from hybridflow.config import load_config
     from hybridflow.trainer.main import run_ppo
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config("grpo_quickstart", [
-            f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
-            f"trainer.default_local_dir={out}", "trainer.logger=[jsonl]", f"trainer.n_gpus_per_node={args.ranks}",
-            "trainer.plot_curves=false", f"actor_rollout_ref.model.path={path}",
-            f"actor_rollout_ref.model.dtype={args.dtype}", "actor_rollout_ref.model.use_remove_padding=true",
-            f"data.train_batch_size={args.prompts_per_step}",
-            f"data.builtin_train_size={args.steps * args.prompts_per_step}",
-            "data.shuffle=false", f"data.seed={SEED}", f"data.max_response_length={args.max_new_tokens}",
-            f"actor_rollout_ref.rollout.n={args.group_size}",
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts_per_step}",  # one update per step
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
-            f"{args.prompts_per_step * args.group_size // args.ranks}",
-            f"actor_rollout_ref.actor.optim.lr={args.lr}", f"actor_rollout_ref.actor.kl_loss_coef={args.kl_coef}",
-            "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-            "actor_rollout_ref.rollout.temperature=1.0", f"actor_rollout_ref.rollout.name={args.rollout}",
-            f"trainer.seed={SEED}", *args.overrides,
-        ])
+        cfg = hybridflow_config(args, path, out)
         run_ppo(cfg)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f][1:]  # the first step is warm-up
@@ -221,6 +228,7 @@ def main() -> None:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as work:
         path = resolve_benchmark_model(args.model, work)
+        hybridflow_config(args, path, work)  # a bad override fails here, before TRL's runs
         trl = {} if args.skip_trl else {f"threads_{n}": run_trl(args, path, n) for n in args.trl_threads}
         hybridflow = run_hybridflow(args, path)
         params = parameter_count(path)
@@ -232,4 +240,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hybridflow.cli import run_script
+
+    sys.exit(run_script(main))  # a config typo or a bad path: one line, not a traceback

@@ -115,4 +115,8 @@ def _measure_backends(args, path: str) -> tuple[dict, object]:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hybridflow.cli import run_script
+
+    sys.exit(run_script(main))  # a config typo or a bad path: one line, not a traceback

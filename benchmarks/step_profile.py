@@ -127,4 +127,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from hybridflow.cli import run_script
+
+    sys.exit(run_script(main))  # a config typo or a bad path: one line, not a traceback

@@ -5,9 +5,9 @@ and returns the exit status. A config problem prints the ``ConfigError`` message
 before anything heavy (Ray, models) starts. ``train``: bad data (a :class:`~hybridflow.errors.UserError`: a missing
 column, an empty file, an over-long prompt, an unknown ``data_source``) or a bad path prints ``error: <message>``
 and exits with 1, before Ray starts; Ctrl-C prints one line (last complete step, latest checkpoint, the command
-that resumes) and exits with 130. Any other exception is a bug and keeps its traceback.
-before anything heavy (Ray, models) starts; so does a config that cannot resume the checkpoint in the run
-directory (``IncompatibleCheckpointError``, found before Ray starts).
+that resumes) and exits with 130. A config that cannot resume the checkpoint in the run directory
+(``IncompatibleCheckpointError``, found before Ray starts) prints one line and exits with 2. Any other exception is a bug and keeps its
+traceback. :func:`run_script` gives the benchmark scripts the same one-line reports.
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ def _add_train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config overrides, e.g. data.train_batch_size=64 trainer.logger=[console]")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config as YAML and exit without training")
+
+
+def run_script(main: Callable[[], object]) -> int:
+    """Run a script's ``main()`` (the benchmarks: ``sys.exit(run_script(main))``) with ``train``'s reports: a
+    ``ConfigError`` (a typo in an override) prints its message and returns 2; bad data or a bad path
+    (:data:`USER_ERRORS`) prints ``error: <message>`` and returns 1; anything else propagates with its traceback.
+    Returns 0 when ``main`` returns."""
+    try:
+        main()
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except USER_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
 
 
 def _run_train(args: argparse.Namespace) -> int:
