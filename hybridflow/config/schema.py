@@ -141,6 +141,9 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
     log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per old-logprob forward
     micro_batch_size_per_gpu: int = 64  # prompts per generate() call on one rank
+    # hf rollout: decode Llama-family models (llama, mistral, qwen2, qwen3) with hybridflow's lean forward and KV
+    # cache (same logits, fewer operators: hybridflow/rollout/fast_decode.py); false = transformers' forward
+    fast_decode: bool = True
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -208,24 +208,10 @@ class HFRollout(BaseRollout):
         # response tokens per row: the step at which the row emitted its eos (1-based), else R
         lengths = torch.full((rows,), length, dtype=torch.long, device=input_ids.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-        from hybridflow.models.hf import accepts_logits_to_keep  # here: importing the rollout registry stays light
-        from hybridflow.rollout.kv_cache import preallocated_cache
-
-        cache = preallocated_cache(self.module.config, input_ids.shape[1] + length)
+        forward = self._step_forward(attention_mask, input_ids.shape[1] + length, params["n"])
         step_ids, step_positions = input_ids, position_ids
-        mask = attention_mask
-        # the output head on the last position only (the prompt's other positions are never read)
-        last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.module) else {}
         for step in range(length):
-            output = self.module(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_positions,
-                past_key_values=cache,
-                use_cache=True,
-                **last,
-            )
-            logits = output.logits[:, -1, :].float()
+            logits = forward(step_ids, step_positions)
             tokens, token_log_probs = _next_tokens(
                 logits, params["do_sample"], params["temperature"], params["top_k"], params["top_p"], generator
             )
@@ -239,10 +225,38 @@ class HFRollout(BaseRollout):
                 break
             step_ids = tokens.unsqueeze(-1)
             step_positions = position_ids[:, -1:] + step + 1
-            mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
-        del cache
+        del forward  # the KV cache
         response_mask = (torch.arange(length, device=input_ids.device) < lengths.unsqueeze(-1)).long()
         return responses, response_mask, log_probs
+
+    def _step_forward(self, attention_mask: torch.Tensor, capacity: int, copies: int) -> Callable:
+        """The decoding forward of one micro-batch with prompt mask ``attention_mask`` (N, P) and at most
+        ``capacity`` tokens: ``forward(ids (N, L), positions (N, L)) -> logits (N, V)`` float32 of the last
+        position, the KV cache kept inside. With ``fast_decode`` (default) and a Llama-family model,
+        :class:`~hybridflow.rollout.fast_decode.LeanDecoder`, which runs the prompt forward once per group of
+        ``copies`` identical rows (the n samples of a prompt); otherwise the module's own forward over a
+        :func:`~hybridflow.rollout.kv_cache.preallocated_cache`, the mask growing by one column a step."""
+        # imported here: importing the rollout registry stays light
+        from hybridflow.models.hf import accepts_logits_to_keep
+        from hybridflow.rollout.fast_decode import lean_decoder
+        from hybridflow.rollout.kv_cache import preallocated_cache
+
+        lean = lean_decoder(self.module) if getattr(self.config, "fast_decode", True) else None
+        if lean is not None:
+            lean.start(attention_mask, capacity, copies)
+            return lean.step
+        cache = preallocated_cache(self.module.config, capacity)
+        # the output head on the last position only (the prompt's other positions are never read)
+        last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.module) else {}
+        masks = [attention_mask]  # the mask of the next call: the prompt's, then one more column a step
+
+        def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            output = self.module(input_ids=ids, attention_mask=masks[-1], position_ids=positions,
+                                 past_key_values=cache, use_cache=True, **last)
+            masks[-1] = torch.cat([masks[-1], masks[-1].new_ones((ids.shape[0], 1))], dim=1)
+            return output.logits[:, -1, :].float()
+
+        return forward
 
     # ------------------------------------------------------------------ weights and memory
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

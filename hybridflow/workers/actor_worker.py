@@ -86,6 +86,7 @@ def make_rollout_config(rollout: RolloutConfig, max_response_length: int, lora_r
         top_p=rollout.top_p,
         top_k=rollout.top_k,
         micro_batch_size=rollout.micro_batch_size_per_gpu,
+        fast_decode=rollout.fast_decode,
         tensor_model_parallel_size=rollout.tensor_model_parallel_size,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
         lora_rank=lora_rank, lora_alpha=lora_alpha,  # LoRA adapters for a backend with its own engine (vllm)
