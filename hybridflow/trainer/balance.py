@@ -6,6 +6,11 @@ one rank can get many more tokens than another and its peers wait for it (in the
 the slowest rank's forward). Reordering the rows first (a greedy balanced partition with equal row counts: longest
 row first into the chunk with the fewest tokens that still has room) evens the per-rank token sums. Every column
 moves with its row; advantages group rows by ``uid``, not by position, so nothing downstream depends on the order.
+
+When the rows come in groups of equal size (``uid``: the rollout's n samples of one prompt) and the groups split
+evenly over the ranks, whole groups are balanced instead of rows, so a prompt's samples stay on one rank, next to
+each other: its packed training forwards then compute that prompt once for all of them
+(:mod:`hybridflow.training.shared_prompt`) instead of once per rank it was scattered to.
 """
 
 from __future__ import annotations
@@ -47,7 +52,24 @@ def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
         mean = sum(sums) / dp_size
         return max(sums) / mean if mean else 1.0
 
-    perm = balance_permutation(lengths, dp_size)
+    perm = _group_permutation(batch, lengths, dp_size) or balance_permutation(lengths, dp_size)
     metrics = {"perf/dp_token_imbalance_before": imbalance(list(range(n))), "perf/dp_token_imbalance": imbalance(perm)}
     batch.reorder(torch.tensor(perm))
     return metrics
+
+
+def _group_permutation(batch: DataProto, lengths: list[int], parts: int) -> list[int] | None:
+    """:func:`balance_permutation` over whole ``uid`` groups (cost: the group's tokens), each group's rows adjacent
+    in their original order; None when there is no ``uid`` column, the groups differ in size, or they do not split
+    evenly over ``parts`` ranks."""
+    uids = batch.non_tensor_batch.get("uid")
+    if uids is None:
+        return None
+    members: dict = {}
+    for row, uid in enumerate(uids):
+        members.setdefault(uid, []).append(row)
+    groups = list(members.values())
+    if len({len(g) for g in groups}) != 1 or len(groups) % parts or len(groups[0]) < 2:
+        return None
+    order = balance_permutation([sum(lengths[r] for r in g) for g in groups], parts)
+    return [row for g in order for row in groups[g]]

@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hybridflow.models.hf import accepts_logits_to_keep
 from hybridflow.protocol import DataProto
+from hybridflow.training.shared_prompt import SHARED_PROMPT_KWARG, shared_prompt_attention, shared_prompt_layout
 
 VARLEN_ATTENTION = "hybridflow_varlen"
 _PLAIN_ATTENTION_KWARGS = {"position_ids", "use_cache", "cache_position"}  # kwargs that do not change attention
@@ -58,6 +59,9 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
             out, _ = varlen_sdpa_attention(module, query.float(), key.float(), value.float(), mask, dropout, scaling,
                                            **kwargs)
         return out.to(value.dtype), None
+    shared = kwargs.pop(SHARED_PROMPT_KWARG, None)
+    if shared is not None:  # prompts shared by several rows (hybridflow/training/shared_prompt.py)
+        return shared_prompt_attention(query, key, value, shared, dropout, scaling), None
     cu = kwargs.pop("cu_seq_lens_q", None)
     if cu is None or query.shape[2] != key.shape[2]:
         if _masked_gqa(module, query, attention_mask, kwargs):
@@ -258,6 +262,10 @@ def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_
     there)."""
     mask = micro.batch["attention_mask"]
     rows, width = mask.shape
+    if use_varlen_attention(module):  # not flash attention: its varlen kernels take no such mask
+        layout = shared_prompt_layout(mask, micro.batch["input_ids"], response_length)
+        if layout is not None:
+            return _shared_prompt_response_forward(module, micro, response_length, layout)
     prompt_len = width - response_length
     flat_index = mask.bool().flatten().nonzero().flatten()
     row, col = flat_index // width, flat_index % width
@@ -269,3 +277,21 @@ def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_
     target = row[keep] * response_length + col[keep] - (prompt_len - 1)
     return result.index_copy(0, target, out).view(rows, response_length, out.shape[-1])
 
+
+
+def _shared_prompt_response_forward(module: torch.nn.Module, micro: DataProto, response_length: int,
+                                    layout) -> torch.Tensor:
+    """:func:`packed_response_forward` with each shared prompt computed once (``layout``: a
+    :class:`~hybridflow.training.shared_prompt.SharedPromptLayout`); the same (B, R, V) rows."""
+    batch = micro.batch
+    input_ids = batch["input_ids"].flatten()[layout.flat_index][None]
+    position_ids = batch["position_ids"].flatten()[layout.flat_index][None]
+    head_only = accepts_logits_to_keep(module)
+    extra = {"logits_to_keep": layout.predictor} if head_only else {}
+    dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)  # see _packed_outputs
+    out = module(input_ids=input_ids, attention_mask=dummy, position_ids=position_ids, use_cache=False,
+                 **{SHARED_PROMPT_KWARG: layout}, **extra).logits[0]
+    out = out if head_only else out[layout.predictor]
+    rows = batch["attention_mask"].shape[0]
+    result = out.new_zeros(rows * response_length, out.shape[-1])
+    return result.index_copy(0, layout.target, out).view(rows, response_length, out.shape[-1])

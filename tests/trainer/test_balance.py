@@ -33,3 +33,22 @@ def test_balance_batch_moves_every_column_with_its_row():
     assert metrics["perf/dp_token_imbalance"] == pytest.approx(18 / 16.5)
     assert balance_batch(batch, 1) == {} and balance_batch(batch, 4) == {}  # one rank; 6 rows do not split in 4
     assert batch.batch["row"].tolist() == [0, 3, 5, 1, 2, 4]
+
+
+def test_equal_uid_groups_stay_together_and_are_balanced_as_wholes():
+    # 4 prompts x 2 samples; group token sums a: 10+9=19, b: 1+2=3, c: 8+3=11, d: 5+5=10 -> greedy over groups with
+    # 2 per rank: a (19) -> rank 0, c (11) -> rank 1, d (10) -> rank 1 (11 < 19), b (3) -> rank 0: 22 / 21
+    lengths = [10, 9, 1, 2, 8, 3, 5, 5]
+    mask = torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])
+    batch = DataProto.from_dict(tensors={"attention_mask": mask, "row": torch.arange(8)},
+                                non_tensors={"uid": np.array(list("aabbccdd"), dtype=object)})
+    metrics = balance_batch(batch, 2)
+    assert batch.batch["row"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # groups a, b | c, d
+    assert list(batch.non_tensor_batch["uid"]) == list("aabbccdd")
+    assert metrics["perf/dp_token_imbalance"] == pytest.approx(22 / 21.5)
+    # unequal groups fall back to rows (the row-level partition of the first test's kind)
+    ragged = DataProto.from_dict(tensors={"attention_mask": mask, "row": torch.arange(8)},
+                                 non_tensors={"uid": np.array(list("aaabbcdd"), dtype=object)})
+    balance_batch(ragged, 2)
+    rows = ragged.batch["row"].tolist()
+    assert sorted(rows) == list(range(8)) and rows != list(range(8))

@@ -245,14 +245,14 @@ def test_train_on_balances_the_rows_for_the_actors_dp_ranks(tmp_path):
     batch = DataProto.from_dict(
         tensors={"responses": torch.ones(4, 4, dtype=torch.long), "response_mask": response_mask,
                  "attention_mask": torch.cat([torch.ones(4, 2, dtype=torch.long), response_mask], dim=1)},
-        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+        non_tensors={"uid": np.array(["a", "b", "c", "d"], dtype=object)})  # one sample per prompt: rows balance
     trainer = PPOTrainer(cfg, TwoRankActor([]), None, Reward())
     out = trainer.train_on(batch, {})
     # by hand: 6 (row 0) -> chunk 0, 5 (row 1) -> chunk 1, 3 (row 2) -> chunk 1 (5 < 6), 3 (row 3) -> chunk 0
     assert seen == [[6, 3, 5, 3]]  # rows 0, 3 | 1, 2: 9 / 8 tokens per rank
     assert out["perf/dp_token_imbalance_before"] == pytest.approx(11 / 8.5)
     assert out["perf/dp_token_imbalance"] == pytest.approx(9 / 8.5)
-    assert list(batch.non_tensor_batch["uid"]) == ["a", "b", "a", "b"]
+    assert list(batch.non_tensor_batch["uid"]) == ["a", "d", "b", "c"]
 
 
 class _Layout:
