@@ -12,7 +12,9 @@ includes warm-up).
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
 padding the padded path computes: ``padding_frac`` of the computed tokens, from the actor/critic updates'
-``perf/*_computed_tokens``); generation counts the valid prompt and response tokens (useful FLOPs).
+``perf/*_computed_tokens``; negative when packed forwards compute a prompt shared by several samples once,
+:mod:`hybridflow.training.shared_prompt`: then FLOPs count the tokens computed); generation counts the valid prompt
+and response tokens (useful FLOPs).
 
     python benchmarks/step_profile.py [--steps 4] [--recipe quickstart] [--model builtin:tiny-arith|medium|DIR]
                                       [key=value ...]

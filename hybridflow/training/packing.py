@@ -35,7 +35,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hybridflow.models.hf import accepts_logits_to_keep
 from hybridflow.protocol import DataProto
-from hybridflow.training.shared_prompt import SHARED_PROMPT_KWARG, shared_prompt_attention, shared_prompt_layout
+from hybridflow.training.shared_prompt import (SHARED_PROMPT_KWARG, shared_prompt_attention, shared_prompt_layout,
+                                               shared_prompt_tokens)
 
 VARLEN_ATTENTION = "hybridflow_varlen"
 _PLAIN_ATTENTION_KWARGS = {"position_ids", "use_cache", "cache_position"}  # kwargs that do not change attention
@@ -179,21 +180,30 @@ def padded_columns(mask: torch.Tensor, response_length: int) -> tuple[int, int]:
     return first, prompt_len + max(1, int(used[-1]) + 1 - prompt_len)
 
 
-def computed_tokens(micro: DataProto, response_length: int, remove_padding: bool) -> tuple[int, int]:
+def computed_tokens(micro: DataProto, response_length: int, remove_padding: bool,
+                    shares_prompts: bool = False) -> tuple[int, int]:
     """``(computed, valid)`` token counts of one micro-batch forward: the valid tokens (``attention_mask`` ones) and
-    the tokens the forward computes (the same when packed, else B x the kept columns of :func:`padded_columns`)."""
+    the tokens the forward computes (the same when packed, else B x the kept columns of :func:`padded_columns`;
+    packed with ``shares_prompts``, each shared prompt once: then fewer than the valid tokens,
+    :mod:`hybridflow.training.shared_prompt`)."""
     mask = micro.batch["attention_mask"]
     valid = int(mask.sum())
     if remove_padding:
-        return valid, valid
+        shared = shared_prompt_tokens(mask, micro.batch["input_ids"], response_length) if shares_prompts else None
+        return (valid if shared is None else shared), valid
     first, end = padded_columns(mask, response_length)
     return mask.shape[0] * (end - first), valid
 
 
-def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remove_padding: bool) -> None:
+def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remove_padding: bool,
+                     module: torch.nn.Module | None = None) -> None:
     """Add a training micro-batch's :func:`computed_tokens` to ``stats`` as ``perf/<role>_computed_tokens`` and
-    ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that benchmarks/step_profile.py reports)."""
-    computed, valid = computed_tokens(micro, micro.batch["responses"].shape[1], remove_padding)
+    ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that benchmarks/step_profile.py reports;
+    below 1 valid per computed token when shared prompts are computed once). ``module``: the model whose packed
+    forwards ran (shared prompts count only where its attention shares them: not flash attention)."""
+    shares = module is not None and remove_padding and _attention_implementation(module) in ("sdpa", "eager",
+                                                                                           VARLEN_ATTENTION)
+    computed, valid = computed_tokens(micro, micro.batch["responses"].shape[1], remove_padding, shares)
     stats[f"perf/{role}_computed_tokens"] = stats.get(f"perf/{role}_computed_tokens", 0.0) + computed
     stats[f"perf/{role}_valid_tokens"] = stats.get(f"perf/{role}_valid_tokens", 0.0) + valid
 

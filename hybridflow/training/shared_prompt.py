@@ -55,12 +55,11 @@ def shared_prompt_layout(mask: torch.Tensor, input_ids: torch.Tensor,
                          response_length: int) -> Optional[SharedPromptLayout]:
     """The :class:`SharedPromptLayout` of a micro-batch with ``attention_mask`` and ``input_ids`` (B, W), or None
     when no two rows share a prompt (or a row's prompt is empty), where sharing saves nothing."""
-    rows, width = mask.shape
-    prompt_len = width - response_length
-    prompt_mask = mask[:, :prompt_len].bool()
-    if rows < 2 or not bool(prompt_mask.any(dim=1).all()):
+    prompts = _prompts(mask, input_ids, response_length)
+    if prompts is None:
         return None
-    keys = input_ids[:, :prompt_len].masked_fill(~prompt_mask, -1)
+    prompt_len, prompt_mask, keys = prompts
+    rows, width = mask.shape
     _, group_of = torch.unique(keys, dim=0, return_inverse=True)
     groups = int(group_of.max()) + 1
     if groups == rows:
@@ -81,6 +80,31 @@ def shared_prompt_layout(mask: torch.Tensor, input_ids: torch.Tensor,
         block.append(torch.cat(blocks))
         lengths.append(len(flat[-1]))
     return _layout(flat, block, lengths, predictor_rows, response_length, mask.device)
+
+
+def shared_prompt_tokens(mask: torch.Tensor, input_ids: torch.Tensor, response_length: int) -> Optional[int]:
+    """The tokens a shared-prompt packed forward of this micro-batch computes (each distinct prompt's tokens once,
+    every response token), or None when :func:`shared_prompt_layout` would not share (no two rows share a prompt,
+    or a row's prompt is empty)."""
+    prompts = _prompts(mask, input_ids, response_length)
+    if prompts is None:
+        return None
+    prompt_len, prompt_mask, keys = prompts
+    distinct = torch.unique(keys, dim=0)
+    if len(distinct) == len(keys):
+        return None
+    return int((distinct >= 0).sum()) + int(mask[:, prompt_len:].sum())
+
+
+def _prompts(mask: torch.Tensor, input_ids: torch.Tensor,
+             response_length: int) -> Optional[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(P, prompt mask (B, P) bool, prompt keys (B, P): the ids with -1 on padding)``, or None when there are
+    fewer than two rows or a row's prompt is empty (nothing to share)."""
+    prompt_len = mask.shape[1] - response_length
+    prompt_mask = mask[:, :prompt_len].bool()
+    if len(mask) < 2 or not bool(prompt_mask.any(dim=1).all()):
+        return None
+    return prompt_len, prompt_mask, input_ids[:, :prompt_len].masked_fill(~prompt_mask, -1)
 
 
 def _layout(flat: list[torch.Tensor], block: list[torch.Tensor], lengths: list[int], predictor_rows: list[tuple],

@@ -69,7 +69,7 @@ def update_mini_batches(engine: TrainEngine, data: DataProto, loss: MicroLoss,
                                               entropy=entropy)
         for micro, dummy in micros:
             if not dummy:
-                add_token_counts(stats, prefix, micro, engine.spec.remove_padding)
+                add_token_counts(stats, prefix, micro, engine.spec.remove_padding, getattr(engine, "module", None))
         grad_norm, _ = engine.optimizer_step()
         stats[f"{prefix}/grad_norm"] = grad_norm
         for key, value in stats.items():

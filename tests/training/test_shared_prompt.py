@@ -16,6 +16,7 @@ from hybridflow.config.schema import ActorConfig, CriticConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
 from hybridflow.protocol import DataProto
 from hybridflow.training.micro import response_forward
+from hybridflow.training.packing import add_token_counts, computed_tokens
 from hybridflow.training.shared_prompt import shared_prompt_layout
 from hybridflow.workers.ppo_actor import PPOActor
 from hybridflow.workers.ppo_critic import PPOCritic
@@ -159,3 +160,18 @@ def test_actor_and_critic_equal_the_padded_path_on_two_ranks(tmp_path):
                 for name, d in per_rank[r][role, True, dynamic][1].items():
                     torch.testing.assert_close(d, ref_delta[name], atol=1e-6, rtol=0,
                                                msg=f"{role} dynamic={dynamic} {name}")
+
+
+def test_computed_tokens_count_each_shared_prompt_once():
+    data = _batch()
+    valid = sum(PROMPT_LENS[p] for p in PROMPT_OF) + sum(RESPONSE_LENS)
+    # by hand: prompts 4 + 6 + 2 + 3 once each, plus every response token
+    assert computed_tokens(data, R, remove_padding=True, shares_prompts=True) == (15 + sum(RESPONSE_LENS), valid)
+    assert computed_tokens(data, R, remove_padding=True) == (valid, valid)
+    stats = {}
+    add_token_counts(stats, "actor", data, True, _lm())  # sdpa: shares
+    assert stats == {"perf/actor_computed_tokens": 15 + sum(RESPONSE_LENS), "perf/actor_valid_tokens": valid}
+    model = _lm()
+    model.config._attn_implementation = "flash_attention_2"  # its varlen kernel does not share
+    add_token_counts(stats, "critic", data, True, model)
+    assert stats["perf/critic_computed_tokens"] == valid
