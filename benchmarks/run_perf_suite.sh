@@ -54,7 +54,7 @@ run call_overhead python benchmarks/call_overhead.py
 # TRL / hybridflow at the default tiny shape and at the medium shape, TRL with 1 and 2 threads (targets 1.5 / 1.2)
 run compare_trl_tiny python benchmarks/compare_trl.py --trl-threads 1,2
 run compare_trl_medium python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 --trl-threads 1,2
-# the same with hybridflow on its vLLM rollout (README's recommendation at this shape; TRL stays on hf generate:
+# the same with hybridflow on its vLLM rollout (the other backend at this shape; TRL stays on hf generate:
 # its colocated vLLM fails here, see compare_trl.py)
 if python -c 'import vllm' 2>/dev/null; then
   run compare_trl_medium_vllm python benchmarks/compare_trl.py --model medium --max-new-tokens 128 --steps 4 \

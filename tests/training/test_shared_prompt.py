@@ -7,19 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from helpers.gloo import spawn_ranks
-from hybridflow.algorithms.sampling import SamplingSpec
-from hybridflow.config.schema import ActorConfig, CriticConfig
-from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
+from helpers.role_runs import all_variants, assert_variants_equal_padded
 from hybridflow.protocol import DataProto
 from hybridflow.training.micro import response_forward
 from hybridflow.training.packing import add_token_counts, computed_tokens
 from hybridflow.training.shared_prompt import shared_prompt_layout
-from hybridflow.workers.ppo_actor import PPOActor
-from hybridflow.workers.ppo_critic import PPOCritic
 
 V, P, R = 40, 6, 5
 # rows 0-2 share prompt A (4 tokens), rows 3-4 prompt B (6 tokens), row 5 its own (2 tokens), rows 6-7 prompt C
@@ -115,32 +110,9 @@ def test_outputs_and_gradients_equal_the_padded_forward(make, dtype, atol, grad_
         torch.testing.assert_close(shared_grads[name], grad, atol=grad_atol, rtol=0, msg=name)
 
 
-def _run(model, role: str, packed: bool, dynamic: bool, data: DataProto):
-    """(logprobs or values (B, R) before the update, weight change of one SGD update)."""
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    cfg = OmegaConf.structured(ActorConfig if role == "actor" else CriticConfig)
-    cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = 4, 1e9
-    cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu = dynamic, 24
-    if role == "actor":
-        worker = PPOActor(model, opt, cfg, SamplingSpec(), use_remove_padding=packed)
-        out = worker.compute_log_prob(data, 4, max_token_len=24)[0]
-    else:
-        worker = PPOCritic(model, opt, cfg, use_remove_padding=packed)
-        out = worker.compute_values(data, 4, max_token_len=24)
-    before = {k: v.clone() for k, v in iter_full_state(model)}
-    update = worker.update_policy if role == "actor" else worker.update_critic
-    update(data, mini_batch_size=len(data))
-    return out, {k: before[k] - v for k, v in iter_full_state(model)}
-
-
 def _worker(rank: int, out: str) -> None:
-    mesh = build_mesh(dp=2)
-    results = {}
-    for role, make in (("actor", _lm), ("critic", _value_model)):
-        for packed in (False, True):
-            for dynamic in (False, True):
-                results[role, packed, dynamic] = _run(apply_fsdp2(make(), mesh), role, packed, dynamic,
-                                                      _batch().chunk(2)[rank])
+    results = all_variants(rank, {"actor": _lm, "critic": _value_model}, _batch(), micro=4, forward_micro=4,
+                           max_token_len=24)
     torch.save(results, f"{out}.{rank}")
 
 
@@ -148,18 +120,7 @@ def test_actor_and_critic_equal_the_padded_path_on_two_ranks(tmp_path):
     out = str(tmp_path / "res")
     spawn_ranks(_worker, out)
     per_rank = [torch.load(f"{out}.{r}") for r in range(2)]
-    mask = _batch().batch["response_mask"].bool()
-    for role in ("actor", "critic"):
-        ref_out = torch.cat([per_rank[r][role, False, False][0] for r in range(2)])
-        ref_delta = per_rank[0][role, False, False][1]
-        assert max(d.abs().max() for d in ref_delta.values()) > 1e-4  # not vacuous
-        for dynamic in (False, True):
-            got = torch.cat([per_rank[r][role, True, dynamic][0] for r in range(2)])
-            torch.testing.assert_close(got[mask], ref_out[mask], atol=1e-5, rtol=0, msg=f"{role} dynamic={dynamic}")
-            for r in range(2):
-                for name, d in per_rank[r][role, True, dynamic][1].items():
-                    torch.testing.assert_close(d, ref_delta[name], atol=1e-6, rtol=0,
-                                               msg=f"{role} dynamic={dynamic} {name}")
+    assert_variants_equal_padded(per_rank, _batch().batch["response_mask"].bool(), [(True, False), (True, True)])
 
 
 def test_computed_tokens_count_each_shared_prompt_once():

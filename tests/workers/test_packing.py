@@ -8,17 +8,12 @@ micro-batches, left-padded prompts and responses of different lengths.
 """
 
 import torch
-from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
 from helpers.gloo import spawn_ranks
-from hybridflow.algorithms.sampling import SamplingSpec
-from hybridflow.config.schema import ActorConfig, CriticConfig
-from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
+from helpers.role_runs import all_variants, assert_variants_equal_padded
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import VARLEN_ATTENTION, pack, packed_forward, packed_response_forward
-from hybridflow.workers.ppo_actor import PPOActor
-from hybridflow.workers.ppo_critic import PPOCritic
 
 V, P, R = 40, 6, 5
 PROMPT_LENS = [6, 3, 4, 2, 5, 6, 1, 3]
@@ -145,45 +140,9 @@ def test_masked_decode_attends_grouped_kv_heads_without_copies_and_same_logits(m
 
 
 # ----------------------------------------------------------------------------------------- 2 gloo ranks, FSDP2
-def _actor_cfg(dynamic: bool):
-    cfg = OmegaConf.structured(ActorConfig)
-    cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip, cfg.entropy_coeff = 2, 1e9, 0.01
-    cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu = dynamic, 12
-    return cfg
-
-
-def _critic_cfg(dynamic: bool):
-    cfg = OmegaConf.structured(CriticConfig)
-    cfg.ppo_micro_batch_size_per_gpu, cfg.grad_clip = 2, 1e9
-    cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu = dynamic, 12
-    return cfg
-
-
-def _run(model, role: str, packed: bool, dynamic: bool, data: DataProto) -> tuple[torch.Tensor, dict]:
-    """(logprobs or values (B, R) before the update, weight change of one update)."""
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    if role == "actor":
-        worker = PPOActor(model, opt, _actor_cfg(dynamic), SamplingSpec(), use_remove_padding=packed)
-        out = worker.compute_log_prob(data, 3, max_token_len=12)[0]
-    else:
-        worker = PPOCritic(model, opt, _critic_cfg(dynamic), use_remove_padding=packed)
-        out = worker.compute_values(data, 3, max_token_len=12)
-    before = {k: v.clone() for k, v in iter_full_state(model)}
-    if role == "actor":
-        worker.update_policy(data, mini_batch_size=len(data))
-    else:
-        worker.update_critic(data, mini_batch_size=len(data))
-    return out, {k: before[k] - v for k, v in iter_full_state(model)}
-
-
 def _worker(rank: int, out: str) -> None:
-    mesh = build_mesh(dp=2)
-    results = {}
-    for role, make in (("actor", _lm), ("critic", _value_model)):
-        for packed in (False, True):
-            for dynamic in (False, True):
-                results[role, packed, dynamic] = _run(apply_fsdp2(make(), mesh), role, packed, dynamic,
-                                                      _batch().chunk(2)[rank])
+    results = all_variants(rank, {"actor": _lm, "critic": _value_model}, _batch(), micro=2, forward_micro=3,
+                           max_token_len=12, entropy_coeff=0.01)
     torch.save(results, f"{out}.{rank}")
 
 
@@ -191,17 +150,5 @@ def test_packed_equals_padded_logprobs_values_and_gradients_on_two_ranks(tmp_pat
     out = str(tmp_path / "res")
     spawn_ranks(_worker, out)
     per_rank = [torch.load(f"{out}.{r}") for r in range(2)]
-    mask = _batch().batch["response_mask"].bool()
-    for role in ("actor", "critic"):
-        ref_out = torch.cat([per_rank[r][role, False, False][0] for r in range(2)])
-        ref_delta = per_rank[0][role, False, False][1]
-        assert max(d.abs().max() for d in ref_delta.values()) > 1e-4  # not vacuous
-        for packed in (False, True):
-            for dynamic in (False, True):
-                got = torch.cat([per_rank[r][role, packed, dynamic][0] for r in range(2)])
-                torch.testing.assert_close(got[mask], ref_out[mask], atol=1e-5, rtol=0,
-                                           msg=f"{role} packed={packed} dynamic={dynamic}")
-                for r in range(2):
-                    for name, d in per_rank[r][role, packed, dynamic][1].items():
-                        torch.testing.assert_close(d, ref_delta[name], atol=1e-6, rtol=0,
-                                                   msg=f"{role} packed={packed} dynamic={dynamic} {name}")
+    assert_variants_equal_padded(per_rank, _batch().batch["response_mask"].bool(),
+                                 [(packed, dynamic) for packed in (False, True) for dynamic in (False, True)])
