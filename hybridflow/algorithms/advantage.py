@@ -87,7 +87,9 @@ def register_adv_est(name: str, **meta: Any) -> Callable[[Callable], Callable]:
     The function must return ``(advantages, returns)``, each ``(B, T)``. Metadata the package reads:
     ``needs_values=True`` (the estimator reads critic values ``V(s_t)``, so a critic is trained unless
     ``critic.enable`` says otherwise; GAE) and ``needs_reward_baselines=True`` (it reads
-    ``batch["reward_baselines"]``, which only the ``remax`` driver supplies; ReMax).
+    ``batch["reward_baselines"]``, which only the ``remax`` driver supplies; ReMax) and ``needs_groups=True`` (its
+    baseline is the other samples of the same prompt, so ``rollout.n == 1`` gives every advantage 0; the driver
+    warns).
 
     Raises:
         ValueError: another function is already registered under ``name``.
@@ -112,6 +114,15 @@ def needs_critic(estimator: str) -> bool:
         UnknownNameError: ``estimator`` is not registered.
     """
     return bool(ADV_ESTIMATORS.meta(estimator, "needs_values", False))
+
+
+def needs_groups(estimator: str) -> bool:
+    """Whether the estimator ``estimator`` compares the samples of one prompt (its ``needs_groups`` metadata).
+
+    Raises:
+        UnknownNameError: ``estimator`` is not registered.
+    """
+    return bool(ADV_ESTIMATORS.meta(estimator, "needs_groups", False))
 
 
 def needs_reward_baselines(estimator: str) -> bool:
@@ -197,7 +208,7 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float, block: int = 256
     return out
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_groups=True)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

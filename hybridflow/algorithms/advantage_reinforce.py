@@ -40,7 +40,7 @@ def _returns_to_go(token_level_rewards: torch.Tensor, response_mask: torch.Tenso
     return returns
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_groups=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -119,7 +119,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
-@register_adv_est("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

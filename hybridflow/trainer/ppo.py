@@ -86,6 +86,7 @@ class PPOTrainer(Driver):
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         # from the generations since the last step: LoRA weight-sync checks (sync/*), in-call forward seconds
         self.gen_metrics: dict[str, float] = {}
+        warn_single_sample_groups(config)
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -346,6 +347,17 @@ class _Pending(Future):
 
     def get(self) -> Any:
         return self.result()
+
+
+def warn_single_sample_groups(config: Any) -> None:
+    """Warn once when a group-baseline estimator (GRPO, RLOO, REINFORCE++ with baseline) gets one sample per
+    prompt: every advantage is then 0 and only a KL or entropy term moves the policy."""
+    from hybridflow.algorithms.advantage import needs_groups
+
+    estimator = config.algorithm.adv_estimator
+    if config.actor_rollout_ref.rollout.n == 1 and needs_groups(estimator):
+        logger.warning("algorithm.adv_estimator=%s compares the samples of each prompt, but "
+                       "actor_rollout_ref.rollout.n=1: every advantage is 0 (set rollout.n > 1)", estimator)
 
 
 def in_background(fn: Any, *args: Any) -> _Pending:
