@@ -116,15 +116,6 @@ def needs_critic(estimator: str) -> bool:
     return bool(ADV_ESTIMATORS.meta(estimator, "needs_values", False))
 
 
-def needs_groups(estimator: str) -> bool:
-    """Whether the estimator ``estimator`` compares the samples of one prompt (its ``needs_groups`` metadata).
-
-    Raises:
-        UnknownNameError: ``estimator`` is not registered.
-    """
-    return bool(ADV_ESTIMATORS.meta(estimator, "needs_groups", False))
-
-
 def needs_reward_baselines(estimator: str) -> bool:
     """Whether the estimator ``estimator`` reads ``reward_baselines`` (its ``needs_reward_baselines`` metadata).
 
