@@ -16,6 +16,7 @@ so a method always sees plain ``DataProto`` values. A method that declares the c
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, Union
@@ -88,8 +89,22 @@ def get_registered_methods(cls: type) -> dict[str, MethodSpec]:
     return found
 
 
+#: keyword arguments of this prefix carry the ``ObjectRef``s a call was ordered after (``submit_after``): Ray starts
+#: the call once they are ready; the method never sees them
+AFTER_PREFIX = "_hf_after_"
+
+
 def _materialize(value: Any) -> Any:
     return value.get() if isinstance(value, DataProtoFuture) else value
+
+
+def _accepting_after(func: Callable) -> inspect.Signature:
+    """``func``'s signature, with a ``**kwargs`` (for the :data:`AFTER_PREFIX` refs) unless it has one."""
+    sig = inspect.signature(func)
+    params = list(sig.parameters.values())
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return sig
+    return sig.replace(parameters=params + [inspect.Parameter("_hf_after", inspect.Parameter.VAR_KEYWORD)])
 
 
 def register(
@@ -139,10 +154,12 @@ def register(
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
             args = tuple(_materialize(a) for a in args)
-            kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+            kwargs = {k: _materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
             return func(*args, **kwargs)
 
         setattr(inner, _SPEC_ATTR, spec)
+        inner.__signature__ = _accepting_after(func)  # Ray checks a call's arguments against the signature,
+        del inner.__wrapped__  # which it reads from the innermost function it can unwrap to: stop it here
         return inner
 
     return decorator

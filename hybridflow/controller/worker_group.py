@@ -5,7 +5,9 @@ Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` i
 class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
 method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
 future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``). Any bound method can
-also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blocking=False`` would.
+also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blocking=False`` would, and
+``wg.compute.submit_after(previous, batch)`` starts it once an earlier call's future ``previous`` has finished, with
+no driver round trip between the two (Ray holds the call until ``previous``'s outputs exist).
 
 Roles that share memory run in one worker class (``ActorRolloutRefWorker`` holds actor, rollout and reference);
 roles in separate groups share devices through their resource pool.
@@ -22,7 +24,7 @@ from typing import Any, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.controller.decorator import Execute, MethodSpec, get_registered_methods
+from hybridflow.controller.decorator import AFTER_PREFIX, Execute, MethodSpec, get_registered_methods
 from hybridflow.controller.dispatch import (
     Collector,
     DispatchError,
@@ -69,6 +71,19 @@ def _with_env(cls: type) -> type:
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
+
+
+def _refs_of(previous: Any) -> list[ray.ObjectRef]:
+    """The ``ObjectRef``s of an earlier call's future (a ``DataProtoFuture`` or a list of ``ObjectRef``s).
+
+    Raises:
+        TypeError: ``previous`` is neither."""
+    if isinstance(previous, DataProtoFuture):
+        return list(previous.futures)
+    if isinstance(previous, (list, tuple)) and all(isinstance(r, ray.ObjectRef) for r in previous):
+        return list(previous)
+    raise TypeError(f"submit_after: previous must be a call's future (DataProtoFuture or list of ObjectRef), "
+                    f"got {type(previous).__name__}")
 
 
 class _WorkerGroupBase:
@@ -147,13 +162,18 @@ class _WorkerGroupBase:
         def submit(*args: Any, **kwargs: Any) -> Any:
             return self._call(method_name, remote_name, started, mode, args, kwargs)
 
+        def submit_after(previous: Any, *args: Any, **kwargs: Any) -> Any:
+            return self._call(method_name, remote_name, started, mode, args, kwargs, after=_refs_of(previous))
+
         started = dataclasses.replace(spec, blocking=False)
         call.__name__ = method_name
         call.__doc__ = doc
         call.submit = submit  # group.method.submit(...): start the call, return its future (blocking=False's)
+        call.submit_after = submit_after  # group.method.submit_after(future, ...): submit, once future is done
         setattr(self, method_name, call)
 
-    def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict) -> Any:
+    def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict,
+              after: Sequence[ray.ObjectRef] = ()) -> Any:
         args = tuple(spec.select_inputs(a) for a in args)  # the columns the method declares it reads
         kwargs = {k: spec.select_inputs(v) for k, v in kwargs.items()}
         try:
@@ -169,9 +189,10 @@ class _WorkerGroupBase:
                 f"{self._name}.{method_name}(): its dispatch mode collects from ranks {missing}, which do not run "
                 f"under execute_mode={spec.execute_mode}"
             )
+        ordering = {f"{AFTER_PREFIX}{i}": ref for i, ref in enumerate(after)}  # top-level refs: Ray waits for them
         refs = [
             getattr(self._workers[r], remote_name).remote(
-                *(a[r] for a in plan.args), **{k: v[r] for k, v in plan.kwargs.items()}
+                *(a[r] for a in plan.args), **{k: v[r] for k, v in plan.kwargs.items()}, **ordering
             )
             for r in ranks
         ]

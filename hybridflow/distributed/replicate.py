@@ -20,8 +20,10 @@ from hybridflow.distributed.fsdp import fits_unsharded
 
 #: bytes per parameter byte a trained replicated model keeps on every rank: weights, gradients, AdamW's two moments
 TRAINED_STATE_COPIES = 4
-#: gradients are averaged in flat buffers of at most this many bytes (one all-reduce each)
-BUCKET_BYTES = 64 << 20
+#: gradients are averaged in flat buffers of at most this many bytes (one all-reduce each, all started at once:
+#: gloo runs them on its worker threads side by side; 104 MB on 2 CPU ranks took 0.057-0.063 s as 16 MiB buffers
+#: started together against 0.076-0.079 s as 64 MiB buffers one after another)
+BUCKET_BYTES = 16 << 20
 
 
 def resolve_fsdp_size(setting, model: torch.nn.Module, device: str, *, trained: bool, param_offload: bool,
@@ -99,14 +101,15 @@ class GradientBuckets:
                 p.grad = view
 
     def all_reduce(self, group: Optional[dist.ProcessGroup] = None) -> None:
-        """Average the gradients over ``group``'s ranks in place, one all-reduce per buffer; every rank calls it. A
-        no-op outside a process group or with one rank."""
+        """Average the gradients over ``group``'s ranks in place, one all-reduce per buffer, all started before
+        the first is waited for; every rank calls it. A no-op outside a process group or with one rank."""
         self._bind()
         if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return
         world = dist.get_world_size(group)
-        for flat in self.buffers:
-            dist.all_reduce(flat, group=group)
+        started = [dist.all_reduce(flat, group=group, async_op=True) for flat in self.buffers]  # same order on every rank
+        for flat, work in zip(self.buffers, started):
+            work.wait()
             flat.div_(world)
 
 

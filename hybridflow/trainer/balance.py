@@ -20,7 +20,7 @@ import torch
 from hybridflow.protocol import DataProto
 from hybridflow.utils.partition import balanced_groups
 
-__all__ = ["balance_permutation", "balance_batch"]
+__all__ = ["balance_batch", "balance_order", "balance_permutation"]
 
 
 def balance_permutation(lengths: list[int], parts: int) -> list[int]:
@@ -41,9 +41,19 @@ def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
     """Reorder ``batch`` in place (by its ``attention_mask`` tokens per row) for ``dp_size`` ranks; returns
     ``perf/dp_token_imbalance`` (the largest rank's tokens over the mean rank's, after: 1.0 is even; before: the
     ``_before`` key). A batch that does not split evenly, or one rank, is left as it is (``{}``)."""
+    perm, metrics = balance_order(batch, dp_size)
+    if perm is not None:
+        batch.reorder(perm)
+    return metrics
+
+
+def balance_order(batch: DataProto, dp_size: int) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """:func:`balance_batch`'s row order (int64 ``(B,)``: new row i is old row ``perm[i]``) and metrics, without
+    reordering: a result computed on the old order (e.g. a call still running) is reordered with the same
+    ``perm``. ``(None, {})`` where :func:`balance_batch` leaves the batch as it is."""
     n = len(batch)
     if dp_size <= 1 or n % dp_size or "attention_mask" not in batch.batch:
-        return {}
+        return None, {}
     lengths = batch.batch["attention_mask"].sum(-1).tolist()
 
     def imbalance(order: list[int]) -> float:
@@ -54,8 +64,7 @@ def balance_batch(batch: DataProto, dp_size: int) -> dict[str, float]:
 
     perm = _group_permutation(batch, lengths, dp_size) or balance_permutation(lengths, dp_size)
     metrics = {"perf/dp_token_imbalance_before": imbalance(list(range(n))), "perf/dp_token_imbalance": imbalance(perm)}
-    batch.reorder(torch.tensor(perm))
-    return metrics
+    return torch.tensor(perm, dtype=torch.int64), metrics
 
 
 def _group_permutation(batch: DataProto, lengths: list[int], parts: int) -> list[int] | None:

@@ -23,10 +23,11 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 import numpy as np
+import torch
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto
-from hybridflow.trainer.balance import balance_batch
+from hybridflow.trainer.balance import balance_order
 from hybridflow.trainer.driver import Driver, Role, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
@@ -133,8 +134,8 @@ class PPOTrainer(Driver):
                 batch, metrics = collect_informative_groups(self, batch, t)
                 metrics.update(self.train_on(batch, t, scored=True))
             else:  # the reward runs while the reference/old-logprob and value forwards run (train_on)
-                batch = self.generate(batch, t, log_probs=self.log_probs_in_generation())
-                metrics = self.train_on(batch, t)
+                batch, values = self.generate_and_start_values(batch, t)
+                metrics = self.train_on(batch, t, values=values)
             metrics.update(self.pop_gen_metrics())  # LoRA: the rollout's weights checked (sync/verified)
         return self.step_metrics(batch, metrics, t)
 
@@ -159,11 +160,50 @@ class PPOTrainer(Driver):
         returns the generated rows (unscored), a prompt's samples adjacent. ``log_probs`` (from
         :meth:`log_probs_in_generation`): the reference (``"ref"``) and old-logprob (``"old"``) forwards the same
         call runs on the generated rows, whose columns :meth:`log_probs` then finds in the batch."""
+        prompts = self._prompts(batch, seed_index, log_probs)
+        with timer("gen", t):
+            gen = self.actor.generate_sequences(prompts)
+        return self._with_generation(batch, gen)
+
+    def generate_and_start_values(self, batch: DataProto, t: dict[str, float]) -> tuple[DataProto, Any]:
+        """:meth:`generate` with the step's in-generation forwards (:meth:`log_probs_in_generation`), and, where
+        :meth:`values_follow_generation` and no actor forward is left for after the generation (two forwards on
+        shared devices would compete), the critic's value forward started on the generation's future: the critic
+        reads the generated rows from the actor's workers as soon as they exist, with no driver round trip in
+        between. Returns the generated batch and the values' future (rows in generation order; None when not
+        started: :meth:`values` runs in :meth:`train_on`)."""
+        log_probs = self.log_probs_in_generation()
+        if log_probs != self.log_prob_forwards() or not self.values_follow_generation(len(batch)):
+            return self.generate(batch, t, log_probs=log_probs), None
+        prompts = self._prompts(batch, None, log_probs)
+        with timer("gen", t):
+            generation = self.actor.generate_sequences.submit(prompts)
+            values = self.critic.compute_values.submit(generation)
+            gen = generation.get()
+        return self._with_generation(batch, gen), values
+
+    def values_follow_generation(self, prompts: int) -> bool:
+        """Whether :meth:`generate_and_start_values` can start the value forward on the generation's future: a
+        critic group (``submit``), a rule reward (a reward model's forward runs before the values, not alongside
+        them), and ``prompts`` x ``rollout.n`` rows that split evenly over the critic's dp ranks (a future's size
+        is unknown when it is dispatched, so it cannot be padded)."""
+        if self.critic is None or self.config.reward_model.enable:
+            return False
+        if not hasattr(self.critic.compute_values, "submit") or not hasattr(self.actor.generate_sequences, "submit"):
+            return False
+        rows = prompts * self.config.actor_rollout_ref.rollout.n
+        return rows % self.critic.dispatch_info("critic").dp_size == 0
+
+    def _prompts(self, batch: DataProto, seed_index: Optional[int], log_probs: tuple[str, ...]) -> DataProto:
+        """The rollout's input (:meth:`pop_prompts`), asking for the ``log_probs`` forwards in the same call."""
         prompts = self.pop_prompts(batch, seed_index=seed_index)
         if log_probs:
             prompts.meta_info[LOG_PROBS_IN_GENERATE] = list(log_probs)
-        with timer("gen", t):
-            gen = self.actor.generate_sequences(prompts)
+        return prompts
+
+    def _with_generation(self, batch: DataProto, gen: DataProto) -> DataProto:
+        """The prompts' rows repeated ``rollout.n`` times (a prompt's samples adjacent) joined with ``gen``; the
+        generation's metrics go to :meth:`pop_gen_metrics`."""
         self.gen_metrics.update(gen.meta_info.pop("sync_metrics", {}))  # LoRA: the rollout's weights checked
         self.gen_metrics.update(gen.meta_info.pop("metrics", {}))  # the seconds of the in-call forwards
         return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
@@ -251,11 +291,18 @@ class PPOTrainer(Driver):
         if alg.bypass_old_log_prob:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
 
-    def values(self, batch: DataProto, t: dict[str, float]) -> None:
-        """Add the critic's ``values`` (B, R) (nothing without a critic)."""
-        if self.critic is not None:
-            with timer("values", t):
-                batch.union(self.critic.compute_values(batch))
+    def values(self, batch: DataProto, t: dict[str, float], pending: Any = None,
+               order: Optional[torch.Tensor] = None) -> None:
+        """Add the critic's ``values`` (B, R) (nothing without a critic): from ``pending`` (the future
+        :meth:`generate_and_start_values` started, its rows in generation order, put in the batch's ``order``:
+        :func:`~hybridflow.trainer.balance.balance_order`) when given, else from a call on ``batch``."""
+        if self.critic is None:
+            return
+        with timer("values", t):
+            values = self.critic.compute_values(batch) if pending is None else pending.get()
+        if pending is not None and order is not None:
+            values.reorder(order)
+        batch.union(values)
 
     def update_critic(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
         """Update the critic (if any) on ``batch``; returns its metrics."""
@@ -269,33 +316,53 @@ class PPOTrainer(Driver):
         with timer("update_actor", t):
             return absorb_metrics(self.actor.update_actor(batch), batch)
 
-    def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False) -> dict[str, float]:
+    def update_critic_and_actor(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
+        """:meth:`update_critic`, then :meth:`update_actor`, on ``batch``; returns their metrics. Between worker
+        groups the actor's call is submitted with the critic's (``submit_after``): it starts when the critic's has
+        finished, with no driver round trip in between, and its arguments are sent while the critic trains."""
+        critic_submit = getattr(getattr(self.critic, "update_critic", None), "submit", None)
+        actor_after = getattr(self.actor.update_actor, "submit_after", None)
+        if critic_submit is None or actor_after is None:
+            return {**self.update_critic(batch, t), **self.update_actor(batch, t)}
+        with timer("update_critic", t):
+            critic = critic_submit(batch)
+            actor = actor_after(critic, batch)
+            metrics = absorb_metrics(critic.get(), batch)  # a critic failure is raised first, naming its rank
+        with timer("update_actor", t):
+            metrics.update(absorb_metrics(actor.get(), batch))
+        return metrics
+
+    def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False,
+                 values: Any = None) -> dict[str, float]:
         """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
         ran; a rule reward runs alongside the next two, :meth:`score_in_background`), reference and old logprobs
-        (:meth:`log_probs`), values, advantages, critic and actor updates (phase seconds into ``t``); returns the
-        metrics."""
-        balance = self._balance(batch)  # trainer.balance_batch: ~equal tokens per dp rank (before any dispatch)
+        (:meth:`log_probs`), values (from ``values``, the future :meth:`generate_and_start_values` started, when
+        given), advantages, critic and actor updates (phase seconds into ``t``); returns the metrics."""
+        order, balance = self._balance(batch)  # trainer.balance_batch: ~equal tokens per dp rank (before dispatch)
         pending = None
         if not scored and self.config.reward_model.enable:  # its forward would compete with the ones below
             self.score(batch, t)
         elif not scored:
             pending = self.score_in_background(batch)
         self.log_probs(batch, t)
-        self.values(batch, t)
+        self.values(batch, t, values, order)
         if pending is not None:
             self.finish_score(batch, pending, t)
         with timer("adv", t):
             metrics = self.rewards_and_advantages(batch)
-        metrics.update(self.update_critic(batch, t))
-        metrics.update(self.update_actor(batch, t))
+        metrics.update(self.update_critic_and_actor(batch, t))
         return {**metrics, **balance}
 
-    def _balance(self, batch: DataProto) -> dict[str, float]:
-        """With ``trainer.balance_batch``, reorder ``batch`` for the actor's dp ranks (:mod:`.balance`)."""
+    def _balance(self, batch: DataProto) -> tuple[Optional[torch.Tensor], dict[str, float]]:
+        """With ``trainer.balance_batch``, reorder ``batch`` for the actor's dp ranks (:mod:`.balance`); returns
+        the order (None: unchanged) and the balance metrics."""
         info = getattr(self.actor, "dispatch_info", None)
         if not self.config.trainer.balance_batch or info is None:
-            return {}
-        return balance_batch(batch, info("actor").dp_size)
+            return None, {}
+        order, metrics = balance_order(batch, info("actor").dp_size)
+        if order is not None:
+            batch.reorder(order)
+        return order, metrics
 
     def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
         """``token_level_rewards`` (scores minus the in-reward KL when ``use_kl_in_reward``), then ``advantages``
