@@ -9,7 +9,8 @@ What the rest of hybridflow gets from here:
 
 * :func:`apply_lora` wraps the freshly loaded actor (before FSDP2) in a ``peft.PeftModel``; its base weights are
   frozen in ``model.dtype``.
-* The reference policy is the same module under ``peft``'s ``disable_adapter()`` (no second copy of the weights).
+* The reference policy is the same module with its adapters disabled (:func:`adapters_disabled`: no second copy
+  of the weights).
 * :func:`merge_lora_stream` turns the peft-named full state (``iter_full_state`` of the wrapped actor) into the
   base model's names with merged weights ``W + s * B A``: what the rollout receives (``rollout.lora_sync=merged``)
   and what ``hybridflow export`` writes.
@@ -18,6 +19,7 @@ What the rest of hybridflow gets from here:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -93,6 +95,20 @@ def apply_critic_lora(module: torch.nn.Module, model_config: Any) -> torch.nn.Mo
         if "lora_" in name:
             param.data = param.data.to(dtype)
     return wrapped
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` (a ``peft.PeftModel``) as its base model: peft's ``disable_adapter()``, with the adapters'
+    ``requires_grad`` kept. (peft clears it while disabled. When FSDP2's first forward, which fixes a unit's
+    dtypes from its trainable parameters, ran in there, a unit saw none: with bf16 compute over fp32 weights its
+    gradients were then reduced in bf16 and the update failed with "assign a gradient with dtype BFloat16 to a
+    tensor with grad_dtype Float". Use it under ``torch.no_grad()``: the flags then change nothing else.)"""
+    trainable = [param for param in module.parameters() if param.requires_grad]
+    with module.disable_adapter():
+        for param in trainable:
+            param.requires_grad_(True)
+        yield
 
 
 def lora_scaling(lora_config) -> float:

@@ -8,6 +8,7 @@ Shapes: (B, R) = sequences of the micro-batch, response tokens; (B, L) = prompt 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterator, Optional
 
 import torch
@@ -27,6 +28,8 @@ from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, We
 from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FSDP2Engine"]
 
@@ -84,6 +87,7 @@ class FSDP2Engine(TrainEngine):
         self.lr_scheduler = lr_scheduler
         self.mesh = mesh
         self.skipped_steps = 0
+        self.compute_dtype: Optional[torch.dtype] = None  # the forwards' dtype (build sets it; None: the weights')
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "FSDP2Engine":
@@ -92,6 +96,10 @@ class FSDP2Engine(TrainEngine):
         mesh = build_mesh(dp=spec.layout.dp, tp=spec.layout.tp)
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
+        if compute is not None and spec.lora and spec.kind == "policy":
+            compute = None  # LoRA actor: fp32 forwards, so the rollout-sync probe can tell a stale rollout (below)
+            logger.info("dtype=auto with LoRA: the %s computes in fp32 (the merged-weight sync probe needs fp32 "
+                        "on both sides)", spec.role)
         module = _load_module(spec, weights)
         if spec.device == "cpu" and (compute or weights) in (torch.bfloat16, torch.float16):
             use_fp32_attention_backward(module)  # torch's bf16 CPU attention backward is the slow kernel
@@ -110,7 +118,9 @@ class FSDP2Engine(TrainEngine):
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
             scheduler = build_lr_scheduler(optimizer, spec.optim, spec.total_steps)
-        return cls(spec, module, optimizer, scheduler, mesh, replicated, autocast)
+        engine = cls(spec, module, optimizer, scheduler, mesh, replicated, autocast)
+        engine.compute_dtype = compute or weights
+        return engine
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

@@ -267,8 +267,9 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
             if self._lora:  # the rollout's probe against the trainer's; a mismatch fails the step
-                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout,
-                                                                  self.actor.module.config.vocab_size)
+                self.sync_metrics = lora_sync.verify_rollout_sync(
+                    self.actor.module, self.rollout, self.actor.module.config.vocab_size,
+                    getattr(self.actor.engine, "compute_dtype", None))
         self.actor.engine.offload()
 
     def _rollout_weights(self):
@@ -360,9 +361,9 @@ class ActorRolloutRefWorker(Worker):
 
     def _ref_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         ref = self.config.ref
-        # with LoRA the reference is the actor's module with its adapters disabled (peft's disable_adapter)
+        # with LoRA the reference is the actor's module with its adapters disabled
         shares_actor = self._has_actor and self.ref.module is self.actor.module
-        with self.actor.module.disable_adapter() if shares_actor else nullcontext():
+        with lora_lib.adapters_disabled(self.actor.module) if shares_actor else nullcontext():
             log_prob, _ = self.ref.compute_log_prob(data, ref.log_prob_micro_batch_size_per_gpu,
                                                     max_token_len=ref.log_prob_max_token_len_per_gpu)
         return {"ref_log_prob": log_prob}
