@@ -87,6 +87,7 @@ class PPOTrainer(Driver):
         self.kl_ctrl = get_kl_controller(config.algorithm.kl_ctrl)
         # from the generations since the last step: LoRA weight-sync checks (sync/*), in-call forward seconds
         self.gen_metrics: dict[str, float] = {}
+        self._memo: dict[str, Any] = {}  # answers that depend only on the read-only config and the groups' layouts
         warn_single_sample_groups(config)
 
     @classmethod
@@ -247,6 +248,11 @@ class PPOTrainer(Driver):
         ``REF_IN_UPDATE``) and ``"old"`` (``old_log_probs``, unless pi_old is the rollout's
         (``algorithm.bypass_old_log_prob``) or the update's own detached logprobs
         (:mod:`hybridflow.trainer.old_log_prob`))."""
+        if "log_prob_forwards" not in self._memo:  # the config is read-only: reading it once per run is enough
+            self._memo["log_prob_forwards"] = self._log_prob_forwards()
+        return self._memo["log_prob_forwards"]
+
+    def _log_prob_forwards(self) -> tuple[str, ...]:
         alg = self.config.algorithm
         need_ref = alg.use_kl_in_reward or self.config.actor_rollout_ref.actor.use_kl_loss
         need_old = not alg.bypass_old_log_prob and not old_log_prob_is_current(self.config)
@@ -258,6 +264,11 @@ class PPOTrainer(Driver):
         of them when the actor group generates in its training layout (the rollout's dp rank and collecting ranks
         are the training mesh's, so each rank's generated rows are rows it may score), else none (e.g. the
         3D-HybridEngine generating with another tp, or a pipeline-parallel actor)."""
+        if "log_probs_in_generation" not in self._memo:  # the groups' layouts are fixed for the run
+            self._memo["log_probs_in_generation"] = self._log_probs_in_generation()
+        return self._memo["log_probs_in_generation"]
+
+    def _log_probs_in_generation(self) -> tuple[str, ...]:
         info = getattr(self.actor, "dispatch_info", None)
         if info is None:
             return ()
