@@ -50,6 +50,7 @@ def _adapter_grads(rank: int, out: str, bf16: bool) -> None:
     assert set(grads) == trainable
     if rank == 0:
         torch.save(grads, os.path.join(out, f"bf16_{bf16}.pt"))
+    torch.distributed.barrier()  # no rank tears the group down while the other's collectives may still run
 
 
 def _auto_dtype(rank: int, out: str) -> None:
