@@ -110,22 +110,16 @@ def check_probe(expected: torch.Tensor, got: torch.Tensor, dtype: str, where: st
     return {"sync/verified": 1.0, "sync/probe_max_abs_diff": diff, "sync/probe_logprob_sum": float(expected.sum())}
 
 
-def verify_rollout_sync(trainer: torch.nn.Module, rollout: Any, vocab_size: int,
-                        trainer_dtype: Optional[torch.dtype] = None) -> dict[str, float]:
+def verify_rollout_sync(trainer: torch.nn.Module, rollout: Any, vocab_size: int) -> dict[str, float]:
     """After a sync, check the colocated ``rollout`` against the ``trainer`` (every rank of the trainer's mesh
-    calls this: its forward is sharded). ``trainer_dtype``: the dtype the trainer's forward computes in (bf16
-    compute over fp32 weights with ``dtype=auto`` on some CPUs); when it is not fp32 the bf16 bound applies even to
-    an fp32 rollout. Returns :func:`check_probe`'s metrics, or ``{}`` for a rollout that cannot be probed
-    (:func:`rollout_probe` None). Raises RuntimeError as :func:`check_probe` does."""
+    calls this: its forward is sharded). Returns :func:`check_probe`'s metrics, or ``{}`` for a rollout that
+    cannot be probed (:func:`rollout_probe` None). Raises RuntimeError as :func:`check_probe` does."""
     got = rollout_probe(rollout, vocab_size)
     if got is None:
         return {}
     device = next(trainer.parameters()).device
     expected = lora_lib.greedy_logprobs(trainer, lora_lib.probe_ids(vocab_size, device))[1]
-    dtype = rollout_dtype(rollout)
-    if trainer_dtype is not None and trainer_dtype != torch.float32:
-        dtype = str(trainer_dtype).removeprefix("torch.")
-    return check_probe(expected, got, dtype)
+    return check_probe(expected, got, rollout_dtype(rollout))
 
 
 def probe_entry(trainer: torch.nn.Module) -> tuple[str, torch.Tensor]:

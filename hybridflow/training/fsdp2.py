@@ -76,7 +76,7 @@ class FSDP2Engine(TrainEngine):
 
     def __init__(self, spec: EngineSpec, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  lr_scheduler: Any = None, mesh: Optional[DeviceMesh] = None, replicated: bool = False,
-                 autocast_dtype: Optional[torch.dtype] = None) -> None:
+                 autocast_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
         self.spec = spec
         self.replicated = replicated  # plain full tensors on every dp rank (not FSDP2 shards)
         self.autocast_dtype = autocast_dtype  # replicated mixed precision: forwards under torch.autocast
@@ -87,7 +87,7 @@ class FSDP2Engine(TrainEngine):
         self.lr_scheduler = lr_scheduler
         self.mesh = mesh
         self.skipped_steps = 0
-        self.compute_dtype: Optional[torch.dtype] = None  # the forwards' dtype (build sets it; None: the weights')
+        self.compute_dtype = compute_dtype  # the forwards' dtype (None: not known, e.g. from_module)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "FSDP2Engine":
@@ -97,7 +97,7 @@ class FSDP2Engine(TrainEngine):
         # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
         weights, compute = training_dtypes(spec.model.dtype, spec.device)
         if compute is not None and spec.lora and spec.kind == "policy":
-            compute = None  # LoRA actor: fp32 forwards, so the rollout-sync probe can tell a stale rollout (below)
+            compute = None  # LoRA actor: fp32 forwards, so the rollout-sync probe can tell a stale rollout
             logger.info("dtype=auto with LoRA: the %s computes in fp32 (the merged-weight sync probe needs fp32 "
                         "on both sides)", spec.role)
         module = _load_module(spec, weights)
@@ -118,9 +118,7 @@ class FSDP2Engine(TrainEngine):
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
             scheduler = build_lr_scheduler(optimizer, spec.optim, spec.total_steps)
-        engine = cls(spec, module, optimizer, scheduler, mesh, replicated, autocast)
-        engine.compute_dtype = compute or weights
-        return engine
+        return cls(spec, module, optimizer, scheduler, mesh, replicated, autocast, compute or weights)
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,

@@ -1,5 +1,6 @@
-"""LoRA under FSDP2 with bf16 compute over fp32 weights (FSDP2's ``MixedPrecisionPolicy``), on 2 gloo ranks: the reference forward with the adapters disabled may be the sharded module's first
-forward, and the update after it still reduces the adapters' gradients in fp32 into their fp32 shards.
+"""LoRA under FSDP2 with bf16 compute over fp32 weights (FSDP2's ``MixedPrecisionPolicy``), on 2 gloo ranks: the
+reference forward with the adapters disabled may be the sharded module's first forward, and the update after it
+still reduces the adapters' gradients in fp32 into their fp32 shards.
 
 Before the fix peft's ``disable_adapter`` cleared the adapters' ``requires_grad``; FSDP2's first forward then
 found no trainable parameter in a unit, reduced its gradients in bf16 and the update failed with "assign a
