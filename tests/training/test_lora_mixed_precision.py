@@ -11,9 +11,11 @@ References: the same gradients computed in fp32 (no mixed precision), compared a
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from helpers.gloo import spawn_ranks
 
@@ -52,6 +54,20 @@ def _adapter_grads(rank: int, out: str, bf16: bool) -> None:
     if rank == 0:
         torch.save(grads, os.path.join(out, f"bf16_{bf16}.pt"))
     torch.distributed.barrier()  # no rank tears the group down while the other's collectives may still run
+    open(os.path.join(out, f"done_{bf16}_{rank}"), "w").close()  # every assertion above held on this rank
+
+
+def _spawn_checked(out, bf16: bool) -> None:
+    """:func:`spawn_ranks` of :func:`_adapter_grads`. In the full suite's clean-clone CI (2 of 2 runs, never in 29
+    runs of this file alone) a rank has died with SIGABRT ("terminate called without an active exception"); when
+    both ranks had already passed every assertion and the closing barrier (their ``done_*`` files), that abort is
+    in process teardown, not in what this test checks: it is reported as a warning. Any other failure fails."""
+    try:
+        spawn_ranks(_adapter_grads, str(out), bf16)
+    except ProcessExitedException as err:
+        if err.signal_name != "SIGABRT" or not all((out / f"done_{bf16}_{r}").exists() for r in range(2)):
+            raise
+        warnings.warn(f"rank {err.error_index} aborted in teardown after passing every check: {err}")
 
 
 def _auto_dtype(rank: int, out: str) -> None:
@@ -80,7 +96,7 @@ def test_dtype_auto_keeps_lora_actors_in_fp32(tmp_path):
 
 def test_reference_first_then_update_in_bf16_compute_matches_fp32(tmp_path):
     for bf16 in (True, False):
-        spawn_ranks(_adapter_grads, str(tmp_path), bf16)
+        _spawn_checked(tmp_path, bf16)
     mixed, plain = (torch.load(tmp_path / f"bf16_{b}.pt") for b in (True, False))
     assert set(mixed) == set(plain) and mixed
     names = sorted(plain)
