@@ -58,15 +58,20 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
         WorkerError: a rank raised or its actor died (names the group, rank and method).
     """
     where = {ref: (group, rank, method) for refs, ranks, group, method in calls for ref, rank in zip(refs, ranks)}
+    values: dict[ray.ObjectRef, Any] = {}
     pending = list(where)
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
-        try:
-            ray.get(ready[0])
-        except (RayTaskError, RayActorError) as err:
-            group, rank, method = where[ready[0]]
-            raise WorkerError(group, rank, method, err) from err
-    return [ray.get(list(refs)) for refs, _, _, _ in calls]
+        if pending:  # the others already done are fetched in the same round
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+            ready += more
+        for ref in ready:  # each output is fetched and deserialized once
+            try:
+                values[ref] = ray.get(ref)
+            except (RayTaskError, RayActorError) as err:
+                group, rank, method = where[ref]
+                raise WorkerError(group, rank, method, err) from err
+    return [[values[ref] for ref in refs] for refs, _, _, _ in calls]
 
 
 class _SelectChunk:
@@ -96,6 +101,7 @@ class DataProtoFuture:
         futures: the ``ObjectRef`` of every executed rank, in rank order.
         dispatch_fn: optional ``DataProto -> DataProto`` applied after ``collect_fn`` (a consumer's chunk).
         source: ``(group name, method, ranks of futures)``, used to name the failing rank in errors.
+        by_rank: the outputs may be handed to consumers one per rank (:meth:`split_by_rank`).
     """
 
     def __init__(
@@ -104,20 +110,49 @@ class DataProtoFuture:
         futures: list[ray.ObjectRef],
         dispatch_fn: Optional[Callable[[Any], Any]] = None,
         source: Optional[tuple[str, str, list[int]]] = None,
+        by_rank: bool = False,
     ) -> None:
         self.collect_fn = collect_fn
         self.futures = list(futures)
         self.dispatch_fn = dispatch_fn
         self.source = source or ("?", "?", list(range(len(self.futures))))
+        self.by_rank = by_rank
 
-    def chunk(self, chunks: int) -> list["DataProtoFuture"]:
-        """Split lazily into ``chunks`` futures; the i-th materializes to chunk i of the collected batch.
+    def split_by_rank(self) -> "DataProtoFuture":
+        """This future, with the caller's promise that the producing method returns the same number of rows for
+        every input row (a rollout: ``rollout.n`` per prompt). Its outputs, when the producer's dispatch split
+        the batch evenly (no padding) and a concatenating collect counts them all, are then equal consecutive
+        slices of the batch, so a consumer with as many chunks as outputs gets output ``i`` as chunk ``i``
+        (:meth:`chunk`): each consumer rank receives one producer rank's output straight from Ray, instead of
+        fetching every output and splitting the batch again. Other splits fall back to :meth:`chunk`'s lazy
+        pieces."""
+        return DataProtoFuture(self.collect_fn, self.futures, self.dispatch_fn, self.source, by_rank=True)
+
+    def _rank_outputs(self, chunks: int) -> Optional[list[ray.ObjectRef]]:
+        """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`)."""
+        from hybridflow.controller.dispatch import collect_dp_compute_data_proto  # dispatch imports this module
+
+        collector = self.collect_fn
+        positions = getattr(collector, "positions", None)
+        if (not self.by_rank or self.dispatch_fn is not None or positions is None or len(positions) != chunks
+                or getattr(collector, "padding", None) is not None
+                or getattr(collector, "collect_fn", None) is not collect_dp_compute_data_proto):
+            return None
+        return [self.futures[p] for p in positions]
+
+    def chunk(self, chunks: int) -> list[Any]:
+        """Split lazily into ``chunks`` futures; the i-th materializes to chunk i of the collected batch. After
+        :meth:`split_by_rank`, with one chunk per counted output, the pieces are the outputs' ``ObjectRef``s
+        (passed as a call's argument, Ray hands the worker the ``DataProto`` itself).
 
         Nothing is fetched here. ``get()`` on a piece raises ``ValueError`` when the collected batch size is
         not divisible by ``chunks`` (a future cannot be padded before its size is known).
         """
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunk: chunks must be a positive int, got {chunks!r}")
+        outputs = self._rank_outputs(chunks)
+        if outputs is not None:
+            return outputs
         return [
             DataProtoFuture(self.collect_fn, self.futures, _SelectChunk(chunks, i, self.dispatch_fn), self.source)
             for i in range(chunks)

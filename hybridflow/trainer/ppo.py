@@ -179,7 +179,9 @@ class PPOTrainer(Driver):
         prompts = self._prompts(batch, None, log_probs)
         with timer("gen", t):
             generation = self.actor.generate_sequences.submit(prompts)
-            values = self.critic.compute_values.submit(generation)
+            # a rollout returns rollout.n rows per prompt: with as many critic dp ranks as rollout ones, critic
+            # rank i reads rollout rank i's rows straight from Ray (DataProtoFuture.split_by_rank)
+            values = self.critic.compute_values.submit(generation.split_by_rank())
             gen = generation.get()
         return self._with_generation(batch, gen), values
 

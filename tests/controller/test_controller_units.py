@@ -20,6 +20,7 @@ from hybridflow.controller import (
 from hybridflow.controller.dispatch import (
     Collector,
     collect_dp_compute_data_proto,
+    collect_rank_zero,
     dispatch_all_to_all,
     dispatch_dp_compute_data_proto,
 )
@@ -197,3 +198,17 @@ def test_future_chunks_lazily_and_materializes_in_registered_method(ray_session)
     assert [p.get().batch["x"].tolist() for p in second.chunk(3)] == [[3], [4], [5]]  # chunk of a chunk
     with pytest.raises(ValueError, match="batch size 6 cannot be split into 4 equal chunks"):
         future.chunk(4)[0].get()
+
+
+def test_future_split_by_rank_hands_out_the_outputs_only_when_they_are_the_chunks(ray_session):
+    refs = [ray.put(rows(3, 0)), ray.put(rows(3, 3)), ray.put(rows(3, 6))]
+    counted = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 2]), refs).split_by_rank()
+    assert counted.chunk(2) == [refs[0], refs[2]]  # the counted outputs themselves, in collect order
+    # any other split (or padding the collect removes, or a plain future) keeps the lazy pieces of the batch
+    assert [p.get().batch["x"].tolist() for p in counted.chunk(3)] == [[0, 1], [2, 6], [7, 8]]
+    padded = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 1], [(3, 0), (3, 1)]), refs[:2])
+    assert all(isinstance(p, DataProtoFuture) for p in padded.split_by_rank().chunk(2))
+    assert all(isinstance(p, DataProtoFuture) for p in DataProtoFuture(counted.collect_fn, refs).chunk(2))
+    assert isinstance(counted.chunk(1)[0], DataProtoFuture)
+    first = DataProtoFuture(Collector(collect_rank_zero, [0, 1]), refs[:2]).split_by_rank()  # not a concatenation
+    assert all(isinstance(p, DataProtoFuture) for p in first.chunk(2))

@@ -328,6 +328,27 @@ def test_future_flows_into_next_group_without_driver_get(echo, pool2, monkeypatc
         consumer.shutdown()
 
 
+def test_future_split_by_rank_gives_each_consumer_rank_its_producer_rank_output(echo, pool2, monkeypatch):
+    consumer = RayWorkerGroup(pool2, RayClassWithInitArgs(EchoWorker), name_prefix="consumer")
+    try:
+        for prompts in (4, 3):  # 4: even split, outputs handed over by rank; 3: padded, the lazy pieces instead
+            lazy = consumer.tag_rows(echo.repeat_rows_async(rows(prompts), 2))
+            fetched = []
+            real_get = ray.get
+            monkeypatch.setattr(ray, "get", lambda refs, *a, **k: fetched.append(refs) or real_get(refs, *a, **k))
+            future = echo.repeat_rows_async(rows(prompts), 2)
+            by_rank = consumer.tag_rows(future.split_by_rank())
+            monkeypatch.undo()
+            # each row i twice, in order, the first half on consumer rank 0 (the same rows either way)
+            expected = [i for i in range(prompts) for _ in range(2)]
+            assert by_rank.batch["x"].tolist() == lazy.batch["x"].tolist() == expected
+            assert by_rank.batch["rank"].tolist() == lazy.batch["rank"].tolist() == [0] * prompts + [1] * prompts
+            assert not [r for r in fetched if r in future.futures], "the driver fetched the producer's outputs"
+            assert isinstance(future.split_by_rank().chunk(2)[0], ray.ObjectRef) == (prompts == 4)
+    finally:
+        consumer.shutdown()
+
+
 # ---------------------------------------------------------------------- mesh dispatch
 def test_mesh_dispatch_sends_a_chunk_of_one_reader_inline(ray_session, monkeypatch):
     pool = ResourcePool([2], cpus_per_bundle=0.5, name_prefix="test_flat_mesh")
