@@ -130,15 +130,14 @@ class DataProtoFuture:
 
     def _rank_outputs(self, chunks: int) -> Optional[list[ray.ObjectRef]]:
         """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`)."""
-        from hybridflow.controller.dispatch import collect_dp_compute_data_proto  # dispatch imports this module
+        from hybridflow.controller.dispatch import Collector, collect_dp_compute_data_proto  # it imports this module
 
         collector = self.collect_fn
-        positions = getattr(collector, "positions", None)
-        if (not self.by_rank or self.dispatch_fn is not None or positions is None or len(positions) != chunks
-                or getattr(collector, "padding", None) is not None
-                or getattr(collector, "collect_fn", None) is not collect_dp_compute_data_proto):
+        if (not self.by_rank or self.dispatch_fn is not None or not isinstance(collector, Collector)
+                or collector.collect_fn is not collect_dp_compute_data_proto or collector.padding is not None
+                or len(collector.positions) != chunks):
             return None
-        return [self.futures[p] for p in positions]
+        return [self.futures[p] for p in collector.positions]
 
     def chunk(self, chunks: int) -> list[Any]:
         """Split lazily into ``chunks`` futures; the i-th materializes to chunk i of the collected batch. After
