@@ -40,13 +40,19 @@ print(json.dumps({"item": name, "result": last if last is not None else "failed:
 }
 
 python -c 'import os, json; print(json.dumps({"item": "machine", "result": {"load_average": os.getloadavg(), "cpu_count": os.cpu_count()}}))'
+# dtype=auto's probe at the tiny and medium MLP shapes (what the engines time), and a square matmul (the bf16 units)
 python -c '
 import json
-from hybridflow.distributed.precision import bf16_is_faster, time_matmul
 import torch
-fp32, bf16 = time_matmul(torch.float32), time_matmul(torch.bfloat16)
-print(json.dumps({"item": "dtype_probe", "result": {"fp32_s": fp32, "bf16_s": bf16, "bf16_speedup": fp32 / bf16,
-                  "auto_picks_bf16": bf16_is_faster(lambda d: {torch.float32: fp32, torch.bfloat16: bf16}[d])}}))'
+from hybridflow.distributed.precision import MIN_SPEEDUP, time_matmul
+from hybridflow.training.dtype_probe import gemm_step_timer
+torch.set_num_threads(1)
+speedup = {"square_512": time_matmul(torch.float32) / time_matmul(torch.bfloat16)}
+for name, (hidden, intermediate) in {"tiny_128x384": (128, 384), "medium_512x1536": (512, 1536)}.items():
+    timer = gemm_step_timer(hidden, intermediate, trained=True)
+    speedup[name] = timer(torch.float32) / timer(torch.bfloat16)
+print(json.dumps({"item": "dtype_probe", "result": {"bf16_speedup": speedup,
+                  "auto_picks_bf16": {k: v >= MIN_SPEEDUP for k, v in speedup.items() if k != "square_512"}}}))'
 
 # one worker-group call's round trip vs bare Ray actor calls (same run)
 run call_overhead python benchmarks/call_overhead.py

@@ -1,10 +1,12 @@
 """``model.dtype=auto`` for training: bf16 compute over fp32 master weights where bf16 is faster, else fp32.
 
 On GPU ``auto`` is bf16 (unchanged, :func:`hybridflow.distributed.resolve_dtype`). On CPU the answer depends on the
-chip: without bf16 matrix units a bf16 matmul can be hundreds of times slower than fp32, with them (e.g. AMX) several
-times faster. A start-up probe times the same square matmul in both dtypes on this process's threads; bf16 is chosen
-only when it is at least :data:`MIN_SPEEDUP` faster. Then the weights, gradients and optimizer state stay fp32 (the
-*master* copy) and FSDP2 casts the gathered parameters to bf16 for the forward/backward
+chip and on the model: without bf16 matrix units a bf16 matmul can be hundreds of times slower than fp32, with them
+(e.g. AMX) several times faster, yet a small model's step may still be no faster in bf16 (kernel builds per shape,
+casts around small ops). The engines' probe times the model's own matmul shapes in both dtypes
+(:mod:`hybridflow.training.dtype_probe`); bf16 is chosen only when it is at least :data:`MIN_SPEEDUP` faster.
+Without a model, :func:`time_matmul` times one square matmul. Then the weights, gradients and optimizer state stay
+fp32 (the *master* copy) and FSDP2 casts the gathered parameters to bf16 for the forward/backward
 (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); the workers take logits ``.float()`` before any
 logprob, entropy or loss math, so those stay fp32.
 
@@ -48,10 +50,11 @@ def time_matmul(dtype: torch.dtype, size: int = 512, repeats: int = 8) -> float:
 
 
 def bf16_is_faster(timer: Callable[[torch.dtype], float] = time_matmul, min_speedup: float = MIN_SPEEDUP) -> bool:
-    """Whether ``timer(fp32) / timer(bf16)`` >= ``min_speedup`` (``timer``: seconds of one probe matmul)."""
+    """Whether ``timer(fp32) / timer(bf16)`` >= ``min_speedup`` (``timer(dtype)``: seconds of the probe's work in
+    that dtype: one square matmul by default, the model's MLP matmuls with the engines' timer)."""
     fp32, bf16 = timer(torch.float32), timer(torch.bfloat16)
     speedup = fp32 / bf16 if bf16 > 0 else 0.0
-    logger.info("dtype=auto probe: fp32 matmul %.2e s, bf16 %.2e s (bf16 speedup %.2fx, needs %.2fx)", fp32, bf16,
+    logger.info("dtype=auto probe: fp32 %.2e s, bf16 %.2e s (bf16 speedup %.2fx, needs %.2fx)", fp32, bf16,
                 speedup, min_speedup)
     return speedup >= min_speedup
 
@@ -72,14 +75,16 @@ def agree_across_ranks(choice: bool) -> bool:
     return bool(t.item())
 
 
-def training_dtypes(name: str, device: str, probe: Callable[[], bool] | None = None
-                    ) -> tuple[torch.dtype, torch.dtype | None]:
+def training_dtypes(name: str, device: str, probe: Callable[[], bool] | None = None,
+                    timer: Callable[[torch.dtype], float] | None = None) -> tuple[torch.dtype, torch.dtype | None]:
     """``(weight dtype, compute dtype or None)`` of a training model for config dtype ``name`` on ``device``.
 
-    ``auto`` on CPU: ``(float32, bfloat16)`` when ``probe()`` (default: the cached matmul probe, unless
-    ``HYBRIDFLOW_AUTO_DTYPE_PROBE=0``) says bf16 is faster on every rank, else ``(float32, None)``. Anything else:
-    ``(resolve_dtype(name, device), None)`` (no mixed precision). A collective when ``name`` is auto on CPU and a
-    process group is up: every rank must call it.
+    ``auto`` on CPU: ``(float32, bfloat16)`` when ``probe()`` says bf16 is faster on every rank, else
+    ``(float32, None)``. Without ``probe``, and unless ``HYBRIDFLOW_AUTO_DTYPE_PROBE=0``: :func:`bf16_is_faster`
+    with ``timer`` (the engines pass one at the model's matmul shapes,
+    :func:`hybridflow.training.dtype_probe.model_step_timer`), or the cached square-matmul probe without one.
+    Anything else: ``(resolve_dtype(name, device), None)`` (no mixed precision). A collective when ``name`` is auto
+    on CPU and a process group is up: every rank must call it.
 
     Raises:
         ValueError: unknown ``name`` (from :func:`hybridflow.distributed.resolve_dtype`).
@@ -89,8 +94,10 @@ def training_dtypes(name: str, device: str, probe: Callable[[], bool] | None = N
     weights = resolve_dtype(name, device)
     if name != "auto" or device == "cuda":
         return weights, None
-    if probe is None:
-        probe = _probe_once if os.environ.get(PROBE_ENV, "1") != "0" else (lambda: False)
+    if probe is None and os.environ.get(PROBE_ENV, "1") == "0":
+        probe = lambda: False  # noqa: E731
+    elif probe is None:
+        probe = _probe_once if timer is None else functools.partial(bf16_is_faster, timer)
     return (torch.float32, torch.bfloat16) if agree_across_ranks(probe()) else (torch.float32, None)
 
 

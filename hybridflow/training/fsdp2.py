@@ -18,13 +18,15 @@ from torch.distributed.tensor import DTensor
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed import (build_mesh, iter_full_state, offload_module, offload_optimizer, onload_module,
-                                    onload_optimizer, parallelize_model, resolve_reshard_after_forward)
+                                    onload_optimizer, parallelize_model, resolve_dtype,
+                                    resolve_reshard_after_forward)
 from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.distributed.replicate import GradientBuckets, resolve_fsdp_size
 from hybridflow.distributed.tp import tp_dims
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
+from hybridflow.training.dtype_probe import model_step_timer
 from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
@@ -94,13 +96,15 @@ class FSDP2Engine(TrainEngine):
         if spec.layout.pp != 1:
             raise ValueError(f"strategy fsdp2 has no pipeline parallelism; got pp={spec.layout.pp} for the {spec.role}")
         mesh = build_mesh(dp=spec.layout.dp, tp=spec.layout.tp)
-        # dtype auto on CPU: bf16 compute over fp32 weights where a probe finds bf16 faster (a collective)
-        weights, compute = training_dtypes(spec.model.dtype, spec.device)
-        if compute is not None and spec.lora and spec.kind == "policy":
-            compute = None  # LoRA actor: fp32 forwards, so the rollout-sync probe can tell a stale rollout
+        module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
+        # dtype auto on CPU: bf16 compute over the fp32 weights where the model's matmul shapes run faster in bf16
+        # (a collective); a LoRA actor computes in fp32, so the rollout-sync probe can tell a stale rollout
+        lora_actor = bool(spec.lora) and spec.kind == "policy"
+        weights, compute = training_dtypes(spec.model.dtype, spec.device, probe=(lambda: False) if lora_actor else None,
+                                           timer=model_step_timer(module, trained=spec.optim is not None))
+        if lora_actor and spec.model.dtype == "auto" and spec.device == "cpu":
             logger.info("dtype=auto with LoRA: the %s computes in fp32 (the merged-weight sync probe needs fp32 "
                         "on both sides)", spec.role)
-        module = _load_module(spec, weights)
         if spec.device == "cpu" and (compute or weights) in (torch.bfloat16, torch.float16):
             use_fp32_attention_backward(module)  # torch's bf16 CPU attention backward is the slow kernel
         replicated = resolve_fsdp_size(spec.fsdp_size, module, spec.device, trained=spec.optim is not None,
