@@ -2,11 +2,12 @@
 
 A square 512 x 512 matmul (:func:`hybridflow.distributed.precision.time_matmul`) answers for large GEMMs only. On a
 CPU with bf16 matrix units (AMX Xeon, 1 thread) it found bf16 7x faster and put every model in bf16, yet the
-tiny-arith actor's packed update (the async recipe's trainer, 2 mini-batches of 32 sequences) took 0.20-0.22 s in
-bf16 against 0.12-0.13 s in fp32: py-spy put ~10 % of it in oneDNN building (JIT) bf16 kernels, one set for every
-new token count (packed rows and response lengths change at every step), and the bf16 backward matmuls took ~10x
-the time of fp32's. At the ~25M medium preset the same CPU ran the actor update 1.4x faster in bf16 (1.14 against
-1.63 s) and its no-grad forwards 2.3x.
+tiny-arith actor's packed update (the async recipe's trainer, 2 mini-batches of 32 sequences) took 0.146 s in bf16
+against 0.117 s in fp32 (loads 1.1 / 1.4; 0.20-0.22 s against 0.12-0.13 s in runs whose load was not recorded):
+py-spy put ~10 % of it in oneDNN building (JIT) bf16 kernels, one set for every new token count (packed rows and
+response lengths change at every step), and the bf16 backward matmuls took ~10x the time of fp32's. At the ~25M
+medium preset the same CPU ran the actor update 1.4x faster in bf16 (1.14 against 1.63 s) and its no-grad forwards
+2.3x.
 
 So the probe times the model's MLP matmuls (hidden x intermediate, both directions, plus the two weight-gradient
 products of a trained model) at a token count not seen before in this process at every call, as training meets
