@@ -6,9 +6,19 @@ reference, critic, reward on the actor's pool) trains on the samples of this ste
     keep up to Q generation requests in flight (Q = async_training.queue_size, default k + 1)
     take the oldest finished batch; drop it if a sample's policy version v has v + k < trainer version
     reward -> reference logprobs -> logprobs under the trainer's current policy -> values -> advantages
-    -> update critic -> update actor                                   (PPOTrainer.train_on, unchanged)
+    -> update critic -> update actor                  (PPOTrainer.prepare_update, then the updates)
     push the new weights to the generators (a broadcast over a group spanning both worker groups; the
     generators receive in a second thread while they keep generating and load them before their next batch)
+
+Look-ahead (k >= 1, when nothing before the update reads the trainer's groups: no critic, no reference or old-logprob
+forward on the driver's path, no reward model, no in-reward KL; e.g. ``async_grpo_quickstart``): while the actor
+update of step i runs, the driver takes step i+1's samples (already generated or being generated), computes their
+reward and advantages, and the weight push is chained to the update (it starts when the update ends, with no driver
+round trip). The trainer's rank then goes from one update to the next with only the push in between; the samples,
+rewards, advantages and updates are the same as without look-ahead (neither reads the trainer's state), and
+generation requests are submitted at the same points (after each push), so staleness is unchanged
+(``tests/trainer/test_async.py``). Its phase times (``timing_s/gen_wait``, ``reward``, ``adv``) are logged with
+the step that trains on the batch, though they ran during the previous step's update.
 
 The off-policy gap (the samples' policy mu is up to k versions behind the trainer's pi) is corrected by the loss:
 ``actor.policy_loss=aipo`` weights each token's policy gradient by min(pi/mu, rho) (AIPO), or, for the PPO-clip
@@ -21,8 +31,9 @@ same seed).
 Each sample carries ``policy_version``; metrics: ``async/staleness_*`` (trainer version - sample version),
 ``async/dropped_samples`` (running total), ``async/is_weight_*`` and ``async/is_capped_frac`` (pi_old/mu over
 valid tokens and the fraction above the loss's cap; only when old logprobs are recomputed, i.e. without
-``algorithm.bypass_old_log_prob``), ``async/gen_wait_s`` (seconds the trainer waited for samples),
-``sync/weight_transfer_s`` and ``sync/weight_transfer_bytes``.
+``algorithm.bypass_old_log_prob``), ``async/gen_wait_s`` (seconds the driver waited for samples; with look-ahead,
+while the previous update ran), ``sync/weight_transfer_s`` and ``sync/weight_transfer_bytes``, ``async/look_ahead``
+(1: the look-ahead above).
 
 A batch is trained on whole or dropped whole (all samples of a batch usually share one version; dropping part of
 one would break the dp split and the GRPO groups). Dropped batches count as consumed prompts; the batches still in
@@ -41,7 +52,7 @@ import torch
 from hybridflow.algorithms import importance_weight_cap
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
-from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
+from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
 from hybridflow.trainer.worker_inputs import generator_args
 from hybridflow.utils.timer import timer
 
@@ -94,6 +105,16 @@ class AsyncTrainer(Driver):
                            "with weights too old to train on and will mostly be dropped", self.queue_size,
                            self.max_staleness + 1)
         self._taken: Optional[tuple[DataProto, Any]] = None  # the request take_batch handed to step
+        # a batch taken and prepared for the next step during this step's update: (batch, metrics, phase seconds)
+        self._ready: Optional[tuple[DataProto, dict[str, float], dict[str, float]]] = None
+        self.look_ahead = self.max_staleness >= 1 and not self._trainer_read_before_update(config)
+
+    def _trainer_read_before_update(self, config: Any) -> bool:
+        """Whether a step reads a trainer-side group before its updates (values, reference/old logprobs on the
+        driver's path, a reward model's forward, the in-reward KL), so its preparation cannot run during the
+        previous step's update."""
+        return bool(self.ppo.critic is not None or self.ppo.log_prob_forwards() or config.reward_model.enable
+                    or config.algorithm.use_kl_in_reward)
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -131,7 +152,7 @@ class AsyncTrainer(Driver):
             self.push_weights(step)
 
     def batches_in_flight(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + (self._ready is not None)
 
     # ------------------------------------------------------------------ weight push
     def connect(self) -> None:
@@ -151,65 +172,127 @@ class AsyncTrainer(Driver):
                                     _call(self.generators, "receive_weights", version)])
         return sent[0]
 
+    def _push_after(self, update: Any, version: int) -> list[tuple]:
+        """Start the push of ``version`` to run on the trainer as soon as ``update`` (its future) has finished;
+        the generators' receive starts now (a thread of theirs that waits for the broadcast). For
+        :func:`~hybridflow.controller.futures.get_outputs_many`."""
+        sent = self.ppo.actor.send_weights.submit_after(update, version)
+        return [(sent, range(len(sent)), self.ppo.actor.name, "send_weights"),
+                _call(self.generators, "receive_weights", version)]
+
     # ------------------------------------------------------------------ the step
     def _submit(self) -> None:
-        """Keep ``queue_size`` generation requests in flight: the prompts of the next batches of the cursor, each
-        sampled with the seed of its data position (the step that trains on it when no batch is dropped)."""
-        while len(self.pending) < self.queue_size:
+        """Keep ``queue_size`` generation requests in flight (a batch prepared ahead counts as one): the prompts of
+        the next batches of the cursor, each sampled with the seed of its data position (the step that trains on it
+        when no batch is dropped)."""
+        while len(self.pending) + (self._ready is not None) < self.queue_size:
             batch = self.data.next()
             prompts = self.ppo.pop_prompts(batch, step=self.data.position)
             self.pending.append((batch, self.generators.generate_sequences(prompts)))
 
     def take_batch(self) -> DataProto:
-        """The prompts of the oldest generation request (its samples are waited for in :meth:`step`)."""
+        """The prompts of the oldest generation request (its samples are waited for in :meth:`step`), or the batch
+        prepared ahead during the previous step."""
         self._submit()
+        if self._ready is not None:
+            return self._ready[0]
         self._taken = self.pending.popleft()
         return self._taken[0]
+
+    def _with_samples(self, batch: DataProto, gen: DataProto) -> DataProto:
+        return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
+
+    def _stale(self, gen: DataProto, version: int) -> bool:
+        return int((version - gen.batch["policy_version"]).max()) > self.max_staleness
 
     def _generated(self, version: int, t: dict[str, float]) -> DataProto:
         """The samples of the request :meth:`take_batch` handed out, or of the next ones when it is too stale for
         trainer ``version`` (those are dropped, counted)."""
-        n = self.config.actor_rollout_ref.rollout.n
         batch, future = self._taken
         while True:
             with timer("gen_wait", t):
                 gen = future.get()
-            staleness = version - gen.batch["policy_version"]
-            if int(staleness.max()) <= self.max_staleness:
-                batch = batch.repeat(n, interleave=True).union(gen)
-                batch.meta_info["global_step"] = self.global_step
-                return batch
+            if not self._stale(gen, version):
+                return self._with_samples(batch, gen)
             self.dropped_samples += len(gen)
             logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen),
-                        int(staleness.max()), self.max_staleness)
+                        int((version - gen.batch["policy_version"]).max()), self.max_staleness)
             self._submit()
             batch, future = self.pending.popleft()
+
+    def _prepare(self, batch: DataProto, t: dict[str, float]) -> tuple[DataProto, dict[str, float], dict]:
+        sync = batch.meta_info.pop("sync_metrics", {})  # LoRA: the generators' weights checked (sync/verified)
+        return batch, {**self.ppo.prepare_update(batch, t), **sync}, t
+
+    def _prepare_next(self, version: int) -> None:
+        """Look-ahead: take the oldest pending request's samples and prepare them for trainer ``version`` (the
+        next step's); one too stale for it goes back to the queue, for the next step to drop."""
+        if not self.pending:
+            return
+        batch, future = self.pending.popleft()
+        t: dict[str, float] = {}
+        with timer("gen_wait", t):
+            gen = future.get()
+        if self._stale(gen, version):
+            self.pending.appendleft((batch, _Done(gen)))
+            return
+        self._ready = self._prepare(self._with_samples(batch, gen), t)
 
     def step(self, batch: DataProto) -> dict[str, float]:
         """One async iteration on the request of ``batch`` (see the module docstring); returns its metrics."""
         t: dict[str, float] = {}
         version = self.global_step - 1  # updates applied so far
         with timer("step", t):
-            batch = self._generated(version, t)
-            staleness = (version - batch.batch["policy_version"]).float()
-            sync = batch.meta_info.pop("sync_metrics", {})  # LoRA: the generators' weights checked (sync/verified)
-            metrics = {**self.ppo.train_on(batch, t), **sync}
-            with timer("weight_push", t):
-                metrics.update(self.push_weights(version + 1))
+            ready, self._ready = self._ready, None
+            batch, metrics, phases = ready or self._prepare(self._generated(version, t), t)
+            t.update(phases)
+            batch.meta_info["global_step"] = self.global_step
+            if self.look_ahead:
+                metrics.update(self._update_looking_ahead(batch, version, t))
+            else:
+                metrics.update(self.ppo.update_critic_and_actor(batch, t))
+                with timer("weight_push", t):
+                    metrics.update(self.push_weights(version + 1))
+        staleness = (version - batch.batch["policy_version"]).float()
         if not self.config.algorithm.bypass_old_log_prob:  # else old = mu: the actor logs actor/is_weight_*
             metrics.update(importance_metrics(batch, self._cap))
         metrics.update({"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
-                        "async/dropped_samples": float(self.dropped_samples), "async/gen_wait_s": t["gen_wait"],
-                        "async/queue_size": float(self.queue_size)})
+                        "async/dropped_samples": float(self.dropped_samples),
+                        "async/gen_wait_s": t.get("gen_wait", 0.0), "async/queue_size": float(self.queue_size),
+                        "async/look_ahead": float(self.look_ahead)})
         for k in range(self.max_staleness + 1):
             metrics[f"async/staleness_frac_{k}"] = (staleness == k).float().mean().item()
         return self.ppo.step_metrics(batch, metrics, t)
+
+    def _update_looking_ahead(self, batch: DataProto, version: int, t: dict[str, float]) -> dict[str, float]:
+        """Submit the actor update and the push chained to it, prepare the next batch while they run, then collect
+        both; returns their metrics."""
+        from hybridflow.controller.futures import get_outputs_many
+
+        with timer("update_actor", t):
+            update = self.ppo.actor.update_actor.submit(batch)
+            push = self._push_after(update, version + 1)
+            self._prepare_next(version + 1)
+            metrics = absorb_metrics(update.get(), batch)
+        with timer("weight_push", t):
+            sent, _ = get_outputs_many(push)
+        return {**metrics, **sent[0]}
 
     def validate(self, val_data: DataProto) -> dict[str, float]:
         """``val/score`` of the weights the generators hold (pushed after the last update) on ``val_data``."""
         from hybridflow.trainer.validate import validate
 
         return validate(self.config, _Blocking(self.generators), self.ppo.reward, val_data)
+
+
+class _Done:
+    """A request whose samples were already fetched (a looked-ahead batch put back): ``get()`` returns them."""
+
+    def __init__(self, gen: DataProto) -> None:
+        self.gen = gen
+
+    def get(self) -> DataProto:
+        return self.gen
 
 
 def _call(group: Any, method: str, *args: Any) -> tuple:

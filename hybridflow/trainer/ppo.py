@@ -347,10 +347,18 @@ class PPOTrainer(Driver):
 
     def train_on(self, batch: DataProto, t: dict[str, float], scored: bool = False,
                  values: Any = None) -> dict[str, float]:
-        """The rest of a step on a batch of generated samples: reward (unless ``scored``: :meth:`score` already
-        ran; a rule reward runs alongside the next two, :meth:`score_in_background`), reference and old logprobs
-        (:meth:`log_probs`), values (from ``values``, the future :meth:`generate_and_start_values` started, when
-        given), advantages, critic and actor updates (phase seconds into ``t``); returns the metrics."""
+        """The rest of a step on a batch of generated samples: :meth:`prepare_update`, then the critic and actor
+        updates (phase seconds into ``t``); returns the metrics."""
+        metrics = self.prepare_update(batch, t, scored, values)
+        metrics.update(self.update_critic_and_actor(batch, t))
+        return metrics
+
+    def prepare_update(self, batch: DataProto, t: dict[str, float], scored: bool = False,
+                       values: Any = None) -> dict[str, float]:
+        """Everything a step does to a generated batch before the updates: balancing, reward (unless ``scored``:
+        :meth:`score` already ran; a rule reward runs alongside the next two, :meth:`score_in_background`),
+        reference and old logprobs (:meth:`log_probs`), values (from ``values``, the future
+        :meth:`generate_and_start_values` started, when given), advantages; returns the metrics so far."""
         order, balance = self._balance(batch)  # trainer.balance_batch: ~equal tokens per dp rank (before dispatch)
         pending = None
         if not scored and self.config.reward_model.enable:  # its forward would compete with the ones below
@@ -363,7 +371,6 @@ class PPOTrainer(Driver):
             self.finish_score(batch, pending, t)
         with timer("adv", t):
             metrics = self.rewards_and_advantages(batch)
-        metrics.update(self.update_critic_and_actor(batch, t))
         return {**metrics, **balance}
 
     def _balance(self, batch: DataProto) -> tuple[Optional[torch.Tensor], dict[str, float]]:

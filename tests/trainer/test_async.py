@@ -1,6 +1,7 @@
 """The async driver through Ray: with max_staleness=0 it makes the same updates as the synchronous PPO driver (same
 samples, same weights after N steps); with max_staleness=1 samples are one version old, the generators receive the
-pushed weights, and the async metrics are logged; a killed generator or trainer rank stops the run with a clear error within 60 s."""
+pushed weights, and the async metrics are logged; the look-ahead (the next batch prepared during the update) trains on
+the same samples and weights as the plain order; a killed generator or trainer rank stops the run with a clear error within 60 s."""
 
 import json
 import os
@@ -14,7 +15,8 @@ import torch
 from helpers.ray_procs import role_pids, running
 from hybridflow.config import ConfigError, load_config
 from hybridflow.models.export import load_actor_state_dict
-from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.async_rl import AsyncTrainer
+from hybridflow.trainer.checkpoint import CheckpointManager, load_trainer_state
 from hybridflow.trainer.main import run_ppo
 
 pytestmark = pytest.mark.slow
@@ -81,6 +83,52 @@ def test_one_step_stale_samples_and_weight_push(ray_session, tmp_path):
     # a stale sample's importance weight pi_old/mu differs from 1 (the generator used older weights); step 1's not
     assert rows[0]["async/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert rows[-1]["async/is_weight_max"] > 1.0 + 1e-4 or rows[-1]["async/is_weight_min"] < 1.0 - 1e-4
+
+
+LOOK_AHEAD = [f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={STEPS}", "trainer.test_freq=-1",
+              "trainer.val_before_train=false", "trainer.logger=[jsonl]", "data.train_batch_size=8",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=4", "async_training.max_staleness=1"]
+
+
+def test_look_ahead_trains_on_the_same_samples_and_weights(ray_session, tmp_path, monkeypatch):
+    # the recipe's AIPO + bypass_old_log_prob, no KL: nothing before the update reads the trainer, so the driver
+    # prepares step i+1's batch during step i's update and chains the push to it; the samples, rewards, updates,
+    # staleness and the checkpoint's data position must be those of the plain order
+    ahead_dir, plain_dir = tmp_path / "ahead", tmp_path / "plain"
+    run_ppo(load_config("async_grpo_quickstart", LOOK_AHEAD + [f"trainer.default_local_dir={ahead_dir}"]))
+    monkeypatch.setattr(AsyncTrainer, "_trainer_read_before_update", lambda self, config: True)
+    run_ppo(load_config("async_grpo_quickstart", LOOK_AHEAD + [f"trainer.default_local_dir={plain_dir}"]))
+    ahead, plain = _metrics(ahead_dir), _metrics(plain_dir)
+    assert [r["async/look_ahead"] for r in ahead] == [1.0] * STEPS
+    assert [r["async/look_ahead"] for r in plain] == [0.0] * STEPS
+    for a, p in zip(ahead, plain, strict=True):
+        for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+                    "async/staleness_mean", "async/dropped_samples"):
+            assert a[key] == pytest.approx(p[key], abs=1e-6), key
+    assert [r["async/staleness_max"] for r in ahead] == [0] + [1] * (STEPS - 1)
+    ahead_w, plain_w = _final_weights(ahead_dir), _final_weights(plain_dir)
+    for name in plain_w:
+        assert torch.allclose(ahead_w[name], plain_w[name], atol=1e-6, rtol=0), name
+    # the batch prepared ahead at the last step is in flight, not consumed: STEPS batches trained
+    state = load_trainer_state(CheckpointManager(str(ahead_dir)).resolve("auto"))
+    assert state["data_position"] == STEPS
+
+
+def test_look_ahead_puts_back_a_batch_too_stale_for_the_next_step(ray_session, tmp_path):
+    # queue_size 3 > k + 1: the third request is generated with the initial weights, so when step 2 looks ahead
+    # at it (for trainer version 2) it is 2 versions old; it goes back to the queue and step 3 drops it
+    run_ppo(load_config("async_grpo_quickstart", LOOK_AHEAD + [
+        "trainer.total_training_steps=4", "trainer.save_freq=4", "async_training.queue_size=3",
+        f"trainer.default_local_dir={tmp_path}"]))
+    rows = _metrics(tmp_path)
+    assert [r["async/look_ahead"] for r in rows] == [1.0] * 4
+    assert all(r["async/staleness_max"] <= 1 for r in rows)
+    per_batch = 8 * 4  # data.train_batch_size x rollout.n
+    dropped = rows[-1]["async/dropped_samples"]
+    assert dropped >= per_batch and dropped % per_batch == 0
+    # dropped batches count as consumed, the batches in flight (prepared or requested) do not
+    state = load_trainer_state(CheckpointManager(str(tmp_path)).resolve("auto"))
+    assert state["data_position"] == 4 + dropped // per_batch
 
 
 def test_async_ppo_with_a_critic(ray_session, tmp_path):
