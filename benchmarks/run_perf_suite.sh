@@ -87,8 +87,8 @@ run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_
 run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium $FP32 \
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
 
-# async vs sync (target >= 1.6)
-run async_vs_sync python benchmarks/async_vs_sync.py --steps 8 --rounds 1
+# async vs sync (target >= 1.6): two rounds of 12 steps (one 8-step round varied by ~0.1 between runs)
+run async_vs_sync python benchmarks/async_vs_sync.py --steps 12 --rounds 2
 
 # hf vs vLLM generation throughput, tiny and medium shapes (PERF_SKIP_ROLLOUT=1 leaves them out: ~6 minutes)
 if [ -z "${PERF_SKIP_ROLLOUT:-}" ]; then
