@@ -110,6 +110,23 @@ def test_outputs_and_gradients_equal_the_padded_forward(make, dtype, atol, grad_
         torch.testing.assert_close(shared_grads[name], grad, atol=grad_atol, rtol=0, msg=name)
 
 
+def test_long_responses_after_a_short_prompt_keep_the_unshared_path():
+    # 4 samples of 20 tokens after one 2-token prompt: the grouped call would compute (2 + 80)^2 = 6724 scores
+    # against 4 x 22^2 = 1936 for the rows' own calls (3.5x > 3): no layout, every row packed with its own prompt
+    rows, p, r = 4, 2, 20
+    ids = torch.cat([torch.tensor([[5, 6]] * rows), torch.randint(1, V, (rows, r))], dim=1)
+    mask = torch.ones(rows, p + r, dtype=torch.long)
+    assert shared_prompt_layout(mask, ids, response_length=r) is None
+    data = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask})
+    assert computed_tokens(data, r, remove_padding=True, shares_prompts=True) == (rows * (p + r), rows * (p + r))
+    # a 6-token prompt and 3-token responses: (6 + 12)^2 = 324 against 4 x 9^2 = 324: shared, the prompt once
+    ids = torch.cat([torch.tensor([[5, 6, 7, 8, 9, 10]] * rows), torch.randint(1, V, (rows, 3))], dim=1)
+    mask = torch.ones(rows, 9, dtype=torch.long)
+    assert shared_prompt_layout(mask, ids, response_length=3) is not None
+    data = DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask})
+    assert computed_tokens(data, 3, remove_padding=True, shares_prompts=True) == (6 + rows * 3, rows * 9)
+
+
 def _worker(rank: int, out: str) -> None:
     results = all_variants(rank, {"actor": _lm, "critic": _value_model}, _batch(), micro=4, forward_micro=4,
                            max_token_len=24)
