@@ -176,8 +176,7 @@ class AsyncTrainer(Driver):
         """Start the push of ``version`` to run on the trainer as soon as ``update`` (its future) has finished;
         the generators' receive starts now (a thread of theirs that waits for the broadcast). For
         :func:`~hybridflow.controller.futures.get_outputs_many`."""
-        sent = self.ppo.actor.send_weights.submit_after(update, version)
-        return [(sent, range(len(sent)), self.ppo.actor.name, "send_weights"),
+        return [_call(self.ppo.actor, "send_weights", version, after=update),
                 _call(self.generators, "receive_weights", version)]
 
     # ------------------------------------------------------------------ the step
@@ -202,8 +201,9 @@ class AsyncTrainer(Driver):
     def _with_samples(self, batch: DataProto, gen: DataProto) -> DataProto:
         return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
 
-    def _stale(self, gen: DataProto, version: int) -> bool:
-        return int((version - gen.batch["policy_version"]).max()) > self.max_staleness
+    def _staleness(self, gen: DataProto, version: int) -> int:
+        """The largest staleness of ``gen``'s samples for trainer ``version``."""
+        return int((version - gen.batch["policy_version"]).max())
 
     def _generated(self, version: int, t: dict[str, float]) -> DataProto:
         """The samples of the request :meth:`take_batch` handed out, or of the next ones when it is too stale for
@@ -212,11 +212,12 @@ class AsyncTrainer(Driver):
         while True:
             with timer("gen_wait", t):
                 gen = future.get()
-            if not self._stale(gen, version):
+            staleness = self._staleness(gen, version)
+            if staleness <= self.max_staleness:
                 return self._with_samples(batch, gen)
             self.dropped_samples += len(gen)
-            logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen),
-                        int((version - gen.batch["policy_version"]).max()), self.max_staleness)
+            logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen), staleness,
+                        self.max_staleness)
             self._submit()
             batch, future = self.pending.popleft()
 
@@ -233,7 +234,7 @@ class AsyncTrainer(Driver):
         t: dict[str, float] = {}
         with timer("gen_wait", t):
             gen = future.get()
-        if self._stale(gen, version):
+        if self._staleness(gen, version) > self.max_staleness:
             self.pending.appendleft((batch, _Done(gen)))
             return
         self._ready = self._prepare(self._with_samples(batch, gen), t)
@@ -295,9 +296,11 @@ class _Done:
         return self.gen
 
 
-def _call(group: Any, method: str, *args: Any) -> tuple:
-    """Start ``group.method(*args)`` (a ``blocking=False`` method on every rank) for :func:`get_outputs_many`."""
-    refs = getattr(group, method)(*args)
+def _call(group: Any, method: str, *args: Any, after: Any = None) -> tuple:
+    """Start ``group.method(*args)`` (a ``blocking=False`` method on every rank) for :func:`get_outputs_many`;
+    with ``after`` (an earlier call's future) it starts once that call has finished (``submit_after``)."""
+    bound = getattr(group, method)
+    refs = bound(*args) if after is None else bound.submit_after(after, *args)
     return refs, range(len(refs)), group.name, method
 
 

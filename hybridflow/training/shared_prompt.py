@@ -56,15 +56,12 @@ def shared_prompt_layout(mask: torch.Tensor, input_ids: torch.Tensor,
     """The :class:`SharedPromptLayout` of a micro-batch with ``attention_mask`` and ``input_ids`` (B, W), or None
     when no two rows share a prompt (or a row's prompt is empty), where sharing saves nothing, or when the grouped
     attention would cost more than the prompts it saves (:func:`_sharing_pays`)."""
-    prompts = _prompts(mask, input_ids, response_length)
-    if prompts is None:
+    shared = _shared_groups(mask, input_ids, response_length)
+    if shared is None:
         return None
-    prompt_len, prompt_mask, keys = prompts
-    rows, width = mask.shape
-    _, group_of = torch.unique(keys, dim=0, return_inverse=True)
+    prompt_len, prompt_mask, _, group_of = shared
+    width = mask.shape[1]
     groups = int(group_of.max()) + 1
-    if groups == rows or not _sharing_pays(mask, prompt_mask, group_of, prompt_len):
-        return None
     flat, block, predictor_rows = [], [], []
     lengths = []
     for g in range(groups):
@@ -87,6 +84,18 @@ def shared_prompt_tokens(mask: torch.Tensor, input_ids: torch.Tensor, response_l
     """The tokens a shared-prompt packed forward of this micro-batch computes (each distinct prompt's tokens once,
     every response token), or None when :func:`shared_prompt_layout` would not share (no two rows share a prompt,
     a row's prompt is empty, or the grouped attention would not pay)."""
+    shared = _shared_groups(mask, input_ids, response_length)
+    if shared is None:
+        return None
+    prompt_len, _, distinct, _ = shared
+    return int((distinct >= 0).sum()) + int(mask[:, prompt_len:].sum())
+
+
+def _shared_groups(mask: torch.Tensor, input_ids: torch.Tensor,
+                   response_length: int) -> Optional[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(P, prompt mask (B, P) bool, distinct prompt keys (G, P), each row's group (B,))`` when the micro-batch
+    shares prompts and sharing pays (:func:`_sharing_pays`), else None: the one decision
+    :func:`shared_prompt_layout` and :func:`shared_prompt_tokens` both follow."""
     prompts = _prompts(mask, input_ids, response_length)
     if prompts is None:
         return None
@@ -94,7 +103,7 @@ def shared_prompt_tokens(mask: torch.Tensor, input_ids: torch.Tensor, response_l
     distinct, group_of = torch.unique(keys, dim=0, return_inverse=True)
     if len(distinct) == len(keys) or not _sharing_pays(mask, prompt_mask, group_of, prompt_len):
         return None
-    return int((distinct >= 0).sum()) + int(mask[:, prompt_len:].sum())
+    return prompt_len, prompt_mask, distinct, group_of
 
 
 #: sharing is used while the grouped attention call computes at most this many times the attention scores of the
