@@ -45,7 +45,7 @@ def _settings(args) -> dict:
             "max_new_tokens": args.max_new_tokens, "lr": args.lr, "kl_coef": args.kl_coef,
             "updates_per_step": 1, "ranks_hybridflow": args.ranks, "torch_threads_per_rank_hybridflow": 1,
             "torch_threads_trl": args.trl_threads, "model": args.model, "dtype": args.dtype, "rollout": args.rollout,
-            "rollout_trl": args.trl_rollout}
+            "rollout_trl": args.trl_rollout, "overrides": args.overrides}
 
 
 def hybridflow_config(args, path: str, out: str):

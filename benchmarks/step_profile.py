@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a preset (medium), builtin:NAME or a local HF directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.steps < 2:  # the first step is warm-up: one step would time only it
+        parser.error(f"--steps: at least 2 (the first step is warm-up and not timed), got {args.steps}")
     load_before = os.getloadavg()
     rows, cfg, params = _run(args)
     steady = rows[1:] or rows

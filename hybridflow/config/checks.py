@@ -44,6 +44,8 @@ def need_critic_for(enable: bool | None, adv_estimator: str) -> bool:
 def choice_problems(path: str, value: str, allowed: Sequence[str]) -> list[str]:
     if value in allowed:
         return []
+    if str(value) in ("True", "False"):  # YAML / the command line turned true, false, yes, no ... into a bool
+        return [f"{path}: takes one of {', '.join(allowed)}, got the true/false value {str(value).lower()}"]
     close = difflib.get_close_matches(str(value), allowed, n=1)
     hint = f"; did you mean {close[0]}?" if close else ""
     return [f"{path}: {value!r} is not one of {', '.join(allowed)}{hint}"]
@@ -105,14 +107,38 @@ def fsdp_size_problems(get: Callable[[str], Any]) -> list[str]:
     (replicate; not with the actor's fsdp2 tensor parallelism). Hybrid sharding (another size) is not implemented."""
     problems = []
     for section in ("actor_rollout_ref.actor", "critic"):
-        value = str(get(f"{section}.fsdp_config.fsdp_size")).lower()
+        raw = get(f"{section}.fsdp_config.fsdp_size")
+        value = str(raw).lower()
         if value not in ("auto", "-1", "1"):
+            hybrid = " (sharding over groups of that many ranks, hybrid sharding, is not implemented)"
             problems.append(f"{section}.fsdp_config.fsdp_size must be auto, -1 (shard over every dp rank) or 1 "
-                            f"(replicate), got {value!r} (hybrid sharding is not implemented)")
+                            f"(replicate), got {raw!r}{hybrid if value.isdigit() else ''}")
     tp = get("actor_rollout_ref.actor.tensor_model_parallel_size")
     if str(get("actor_rollout_ref.actor.fsdp_config.fsdp_size")) == "1" and tp > 1:
         problems.append(f"actor_rollout_ref.actor.fsdp_config.fsdp_size=1 (replicated) is not supported with "
                         f"actor_rollout_ref.actor.tensor_model_parallel_size={tp}: use -1 or auto")
+    return problems
+
+
+def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
+    """Settings of a trained model (the actor; the critic when one is trained) that would only fail or go wrong
+    after the workers start: ``dtype=float16`` (pure fp16 weights and AdamW states with no loss scaling: the
+    quickstart's policy collapsed within two steps; auto computes in bf16 over fp32 master weights where bf16
+    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under fsdp2 (refused by the engine,
+    :func:`hybridflow.distributed.fsdp.resolve_reshard_after_forward`)."""
+    roles = [("actor_rollout_ref.model", "actor_rollout_ref.actor")]
+    if need_critic_for(get("critic.enable"), get("algorithm.adv_estimator")):
+        roles.append(("critic.model", "critic"))
+    problems = []
+    for model, trainer in roles:
+        if str(get(f"{model}.dtype")).lower() in ("float16", "fp16"):
+            problems.append(f"{model}.dtype=float16: hybridflow does not train in fp16 (no loss scaling); use "
+                            "auto (bf16 compute over fp32 master weights where bf16 pays), bfloat16 or float32")
+        lora = (get(f"{model}.lora_rank") or 0) > 0
+        if lora and get(f"{trainer}.strategy") == "fsdp2" and str(
+                get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false":
+            problems.append(f"{trainer}.fsdp_config.reshard_after_forward=false is not supported with LoRA "
+                            f"adapters ({model}.lora_rank > 0): use auto or true")
     return problems
 
 

@@ -35,7 +35,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
                                       fsdp_size_problems, logger_problems, need_critic_for, parallel_layout_problems,
                                       reward_fn_problems, rollout_package_problems, score_model_problems,
-                                      strategy_problems)
+                                      strategy_problems, trained_model_problems)
 from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
@@ -422,7 +422,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get),
-               lambda: fsdp_size_problems(get)]
+               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

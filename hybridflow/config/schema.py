@@ -47,7 +47,7 @@ class ModelConfig:
     path: str = "builtin:tiny-arith"  # local HF model directory, or builtin:tiny-arith (shipped with hybridflow)
     tokenizer_path: Optional[str] = None  # defaults to path
     # auto: bf16 on GPU; on CPU bf16 compute over fp32 master weights when a start-up matmul probe finds bf16 faster,
-    # else fp32 (README "Performance") | float32 | bfloat16 | float16
+    # else fp32 (README "Performance") | float32 | bfloat16 | float16 (models that are not trained: reward, cost)
     dtype: str = "auto"
     # padding-free training forwards: a micro-batch's valid tokens packed into one row (verl's key; actor, reference,
     # critic and reward/cost models read their own section's)

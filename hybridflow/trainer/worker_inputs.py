@@ -8,6 +8,7 @@ own section(s) as the schema's dataclass objects, its derived values, its role n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -54,7 +55,12 @@ def actor_args(config: DictConfig, total_steps: int, role: str = "actor_rollout_
 def critic_args(config: DictConfig, total_steps: int) -> tuple:
     """``CriticWorker(critic, CriticInputs)`` (the reward critic and Safe-RLHF's cost critic alike)."""
     critic = section(config, "critic")
-    model = critic.model if critic.model.path else section(config, "actor_rollout_ref").model
+    model = critic.model
+    if not model.path:  # the actor's checkpoint; every other key (dtype, use_remove_padding, LoRA) is the critic's
+        actor = config.actor_rollout_ref.model
+        model = dataclasses.replace(model, path=str(actor.path),
+                                    tokenizer_path=model.tokenizer_path or actor.tokenizer_path,
+                                    trust_remote_code=bool(model.trust_remote_code or actor.trust_remote_code))
     inputs = CriticInputs(seed=int(config.trainer.seed), total_training_steps=int(total_steps),
                           nonfinite_grad=str(config.trainer.nonfinite_grad),
                           rollout_n=int(config.actor_rollout_ref.rollout.n), model=model)

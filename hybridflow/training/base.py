@@ -107,8 +107,10 @@ class EngineSpec:
         fsdp_size: ``auto``, ``-1`` (shard over every dp rank) or ``1`` (replicate)
             (:func:`hybridflow.distributed.replicate.resolve_fsdp_size`; engines without it ignore it).
         lora: wrap the model with LoRA adapters (peft) before sharding; only they train (a value model's head too).
-        lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``;
-            the critic passes ``critic.model`` while loading the actor's weights when it has no path of its own).
+        lora_config: the section holding ``lora_rank``, ``lora_alpha``, ``target_modules`` ... (default: ``model``).
+        auto_bf16: with ``model.dtype=auto`` on CPU, the answer to use instead of this engine's own probe (whether
+            to compute in bf16 over fp32 weights): the reference takes its actor's, so that both compute in one
+            dtype and the KL of an unchanged policy is exactly 0. None: probe (engines without a probe ignore it).
         remove_padding: padding-free forwards (``model.use_remove_padding``): each micro-batch's valid tokens in one
             packed row (:mod:`hybridflow.training.packing`); results equal the padded forward's.
         role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
@@ -130,6 +132,7 @@ class EngineSpec:
     lora_config: Any = None
     remove_padding: bool = False
     role: str = "actor"
+    auto_bf16: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

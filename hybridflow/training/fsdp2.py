@@ -99,8 +99,11 @@ class FSDP2Engine(TrainEngine):
         module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
         # dtype auto on CPU: bf16 compute over the fp32 weights where the model's matmul shapes run faster in bf16
         # (a collective); a LoRA actor computes in fp32, so the rollout-sync probe can tell a stale rollout
+        # (a reference follows its actor's answer: spec.auto_bf16)
         lora_actor = bool(spec.lora) and spec.kind == "policy"
-        weights, compute = training_dtypes(spec.model.dtype, spec.device, probe=(lambda: False) if lora_actor else None,
+        given = False if lora_actor else spec.auto_bf16
+        weights, compute = training_dtypes(spec.model.dtype, spec.device,
+                                           probe=None if given is None else (lambda: given),
                                            timer=model_step_timer(module, trained=spec.optim is not None))
         if lora_actor and spec.model.dtype == "auto" and spec.device == "cpu":
             logger.info("dtype=auto with LoRA: the %s computes in fp32 (the merged-weight sync probe needs fp32 "

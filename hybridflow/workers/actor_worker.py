@@ -169,10 +169,13 @@ class ActorRolloutRefWorker(Worker):
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
+            # dtype=auto: the reference computes in the actor's dtype (no probe of its own), so KL starts at 0
+            actor_dtype = getattr(self.actor.engine, "compute_dtype", None) if self._has_actor else None
             ref = engine_cls.build(EngineSpec(kind="policy", model=cfg.model, layout=layout, device=self.device,
                                               reshard_after_forward=cfg.actor.fsdp_config.reshard_after_forward,
                                               fsdp_size=cfg.actor.fsdp_config.fsdp_size,
-                                              role="ref", remove_padding=cfg.model.use_remove_padding))
+                                              role="ref", remove_padding=cfg.model.use_remove_padding,
+                                              auto_bf16=None if actor_dtype is None else actor_dtype == torch.bfloat16))
             self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
 
     def _init_rollout(self, dtype: torch.dtype) -> None:

@@ -46,8 +46,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        """Join the process group, build the value model's engine (backbone ``inputs.model``: ``critic.model``, or
-        the actor's when it has no path; fresh scalar head; FSDP over all ranks) with AdamW and the lr schedule
+        """Join the process group, build the value model's engine (backbone ``inputs.model``: ``critic.model``, its
+        path the actor's when it has none; fresh scalar head; FSDP over all ranks) with AdamW and the lr schedule
         (``inputs.total_training_steps`` long), offloaded as ``critic.fsdp_config`` says."""
         setup_worker_process()
         init_distributed()

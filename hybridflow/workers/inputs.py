@@ -66,8 +66,9 @@ class CriticInputs:
         total_training_steps: the run's training steps (the lr schedule).
         nonfinite_grad: ``trainer.nonfinite_grad``.
         rollout_n: ``actor_rollout_ref.rollout.n``: samples per prompt (mini-batches are counted in prompts).
-        model: the backbone to load: ``critic.model``, or the actor's ``model`` section when ``critic.model.path``
-            is empty (LoRA keys are still read from ``critic.model``).
+        model: ``critic.model``; when its ``path`` is empty, with the actor's ``path`` (and its ``tokenizer_path`` and
+            ``trust_remote_code`` where the critic sets none), every other key (``dtype``, ``use_remove_padding``,
+            LoRA, gradient checkpointing) still the critic's own.
     """
 
     seed: int

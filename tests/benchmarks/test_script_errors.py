@@ -43,3 +43,21 @@ def test_an_override_typo_is_one_line(script, args):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "actor_rollout_ref.actr" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["benchmarks/step_profile.py", "benchmarks/compare_trl.py"])
+@pytest.mark.parametrize("model", ["/nonexistent/model", "mediumm", "builtin:nosuch"])
+def test_a_bad_model_is_one_line_and_nothing_is_downloaded(tmp_path, script, model):
+    env = {"HF_HUB_OFFLINE": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # a download would be attempted
+    extra = ["--skip-trl"] if "compare_trl" in script else []
+    done = subprocess.run([sys.executable, script, *extra, "--steps", "2", "--model", model], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.startswith("error: model ") and model in done.stderr
+    assert "huggingface.co" not in done.stderr
+
+
+def test_step_profile_refuses_a_single_step():
+    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--steps", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--steps: at least 2" in done.stderr and "Traceback" not in done.stderr

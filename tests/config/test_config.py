@@ -289,3 +289,20 @@ def test_vllm_not_installed_gives_install_hint(monkeypatch, device, hint):
 def test_top_k_is_off_or_positive_at_load(key, value):
     assert _problems(f"{key}={value}") == [f"{key}: must be -1 (off) or >= 1, got {value}"]
     assert load_config("quickstart", [f"{key}=5"])  # a positive k and the -1 default load
+
+
+def test_trained_models_refuse_fp16_and_lora_with_kept_gathered_weights_at_load():
+    """fp16 training (no loss scaling) and LoRA with reshard_after_forward=false fail at config load, one line each,
+    before any worker starts; a model that is not trained may still load in fp16."""
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.dtype=float16: hybridflow does not train in fp16"):
+        load_config("quickstart", ["actor_rollout_ref.model.dtype=float16"])
+    with pytest.raises(ConfigError, match=r"critic.model.dtype=float16"):
+        load_config("quickstart", ["critic.model.dtype=float16"])
+    load_config("grpo_quickstart", ["critic.model.dtype=float16"])  # no critic is trained
+    load_config("quickstart", ["reward_model.model.dtype=float16"])
+    with pytest.raises(ConfigError, match=r"actor.fsdp_config.reshard_after_forward=false is not supported with LoRA"):
+        load_config("quickstart", ["actor_rollout_ref.model.lora_rank=8",
+                                   "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false"])
+    with pytest.raises(ConfigError, match=r"critic.fsdp_config.reshard_after_forward=false .*critic.model.lora_rank"):
+        load_config("quickstart", ["critic.model.lora_rank=8", "critic.fsdp_config.reshard_after_forward=false"])
+    load_config("quickstart", ["critic.fsdp_config.reshard_after_forward=false"])  # no LoRA: fine

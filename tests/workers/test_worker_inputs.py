@@ -93,7 +93,17 @@ def test_derived_values_are_computed_once_by_the_driver_layer():
     assert section.rollout.n == 2 and not inputs.rollout_lora_adapters
     critic, cinputs = critic_args(cfg, 9)
     assert cinputs.rollout_n == 2 and critic.ppo_mini_batch_size == 8
-    assert cinputs.model.path == "builtin:tiny-arith"  # critic.model.path "" -> the actor's model section
+    assert cinputs.model.path == "builtin:tiny-arith"  # critic.model.path "" -> the actor's checkpoint
+    # ... and nothing else of the actor's: the critic's own dtype, packing and LoRA keys hold
+    mixed = load_config("quickstart", ["actor_rollout_ref.model.path=builtin:tiny-tool",
+                                       "actor_rollout_ref.model.use_remove_padding=true",
+                                       "actor_rollout_ref.model.dtype=bfloat16", "critic.model.dtype=float32",
+                                       "actor_rollout_ref.model.trust_remote_code=true"])
+    model = critic_args(mixed, 1)[1].model
+    assert (model.path, model.dtype, model.use_remove_padding, model.trust_remote_code) == (
+        "builtin:tiny-tool", "float32", False, True)
+    packed = critic_args(load_config("quickstart", ["critic.model.use_remove_padding=true"]), 1)[1].model
+    assert packed.use_remove_padding and packed.path == "builtin:tiny-arith"
     own = load_config("quickstart", ["critic.model.path=builtin:tiny-tool", "critic.model.lora_rank=4"])
     assert critic_args(own, 1)[1].model.path == "builtin:tiny-tool"
     with pytest.raises(dataclasses.FrozenInstanceError):
