@@ -46,8 +46,9 @@ def test_an_override_typo_is_one_line(script, args):
 
 
 @pytest.mark.parametrize("script", ["benchmarks/step_profile.py", "benchmarks/compare_trl.py"])
-@pytest.mark.parametrize("model", ["/nonexistent/model", "mediumm", "builtin:nosuch"])
+@pytest.mark.parametrize("model", ["missing-dir", "mediumm", "builtin:nosuch"])
 def test_a_bad_model_is_one_line_and_nothing_is_downloaded(tmp_path, script, model):
+    model = str(tmp_path / "no-such-model") if model == "missing-dir" else model
     env = {"HF_HUB_OFFLINE": "0", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # a download would be attempted
     extra = ["--skip-trl"] if "compare_trl" in script else []
     done = subprocess.run([sys.executable, script, *extra, "--steps", "2", "--model", model], cwd=ROOT,
