@@ -292,8 +292,15 @@ def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list], 
                 continue
             del left[role]
             # WorkerError names the role and rank of a failed init
-            get_outputs(pending[role], range(len(pending[role])), groups[role].name, "init_model")
+            outputs = get_outputs(pending[role], range(len(pending[role])), groups[role].name, "init_model")
             up.append(role)
-            logger.info("worker group %s up: %d ranks, %.1f s after spawning", role, len(pending[role]),
-                        time.monotonic() - start)
+            logger.info("worker group %s up: %d ranks, %.1f s after spawning%s", role, len(pending[role]),
+                        time.monotonic() - start, _dtype_note(outputs[0] if outputs else None))
             progress.update(1, postfix={"up": ", ".join(up)})
+
+
+def _dtype_note(output) -> str:
+    """``; computes in actor float32, ref float32`` from a rank's ``init_model`` output (``compute_dtype``: model ->
+    dtype name, what ``dtype=auto`` chose; every rank agrees), or "" when it reports none."""
+    dtypes = output.get("compute_dtype") if isinstance(output, dict) else None
+    return "; computes in " + ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items()) if dtypes else ""

@@ -53,6 +53,7 @@ from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.utils.allocator import keep_freed_host_memory
 from hybridflow.workers import columns
 from hybridflow.workers.inputs import LOG_PROBS_IN_GENERATE, REF_IN_UPDATE, ActorInputs, expect, expect_section
+from hybridflow.workers.engine_model import compute_dtypes
 from hybridflow.workers.ppo_actor import PPOActor
 
 if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
@@ -135,9 +136,10 @@ class ActorRolloutRefWorker(Worker):
         self.multi_turn = None  # the multi-turn tool loop around the rollout (rollout.multi_turn.enable)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self) -> dict:
         """Join the process group, build the policy (+ reference) engines of ``actor.strategy``, the rollout.
-        ``inputs.total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``)."""
+        ``inputs.total_training_steps`` sizes the lr schedule (it is stepped once per ``update_actor``). Returns
+        ``{"compute_dtype": {"actor": "float32", "ref": ...}}`` (what ``dtype=auto`` chose; the driver logs it)."""
         setup_worker_process()
         init_distributed()
         cfg, inputs = self.config, self.inputs
@@ -177,6 +179,7 @@ class ActorRolloutRefWorker(Worker):
                                               role="ref", remove_padding=cfg.model.use_remove_padding,
                                               auto_bf16=None if actor_dtype is None else actor_dtype == torch.bfloat16))
             self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
+        return {"compute_dtype": compute_dtypes(actor=getattr(self, "actor", None), ref=getattr(self, "ref", None))}
 
     def _init_rollout(self, dtype: torch.dtype) -> None:
         """The rollout backend: generating with the 3D-HybridEngine's model (hf without LoRA), or with its own

@@ -15,6 +15,7 @@ from hybridflow.training import EngineSpec, get_engine_class
 from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
+from hybridflow.workers.engine_model import compute_dtypes
 from hybridflow.workers.inputs import CriticInputs, expect, expect_section
 from hybridflow.workers.ppo_critic import PPOCritic
 
@@ -45,10 +46,11 @@ class CriticWorker(Worker):
         self.inputs = expect(inputs, CriticInputs, "CriticWorker: inputs")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
+    def init_model(self) -> dict:
         """Join the process group, build the value model's engine (backbone ``inputs.model``: ``critic.model``, its
         path the actor's when it has none; fresh scalar head; FSDP over all ranks) with AdamW and the lr schedule
-        (``inputs.total_training_steps`` long), offloaded as ``critic.fsdp_config`` says."""
+        (``inputs.total_training_steps`` long), offloaded as ``critic.fsdp_config`` says. Returns
+        ``{"compute_dtype": {"critic": "float32" | "bfloat16"}}`` (what ``dtype=auto`` chose; the driver logs it)."""
         setup_worker_process()
         init_distributed()
         cfg, inputs = self.config, self.inputs
@@ -68,6 +70,7 @@ class CriticWorker(Worker):
             remove_padding=model_cfg.use_remove_padding))
         self.critic = PPOCritic(engine, None, cfg)
         engine.offload()
+        return {"compute_dtype": compute_dtypes(critic=self.critic)}  # what dtype=auto chose; the driver logs it
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic", batch_keys=columns.SEQUENCE,
               non_tensor_batch_keys=columns.NONE)

@@ -57,3 +57,14 @@ class EngineModel:
     def skipped_steps(self) -> int:
         """Optimizer steps the non-finite guard dropped (the engine's count)."""
         return self.engine.skipped_steps
+
+
+def compute_dtypes(**models: Optional[EngineModel]) -> dict[str, str]:
+    """``{name: "float32" | "bfloat16" | ...}``: the dtype each given model's forwards compute in (its engine's
+    ``compute_dtype``, what ``dtype=auto`` chose), leaving out absent models and engines that do not record one."""
+    names = {}
+    for name, model in models.items():
+        dtype = getattr(getattr(model, "engine", None), "compute_dtype", None)
+        if dtype is not None:
+            names[name] = str(dtype).removeprefix("torch.")
+    return names

@@ -30,10 +30,11 @@ def _rank(rank: int, out: str, actor_bf16: bool) -> None:
     cfg = load_config(None, ["actor_rollout_ref.rollout.do_sample=false", "data.max_prompt_length=6",
                              "data.max_response_length=6", "algorithm.use_kl_in_reward=true"])
     worker = ActorRolloutRefWorker(*actor_args(cfg, total_steps=2))
-    worker.init_model()
+    reported = worker.init_model()  # what the driver logs when the group is up
     rows = response_batch(worker.generate_sequences(prompts().chunk(WORLD)[rank]))
     both = worker.compute_ref_and_old_log_prob(rows)
-    torch.save({"actor": worker.actor.engine.compute_dtype, "ref": worker.ref.engine.compute_dtype,
+    torch.save({"reported": reported, "actor": worker.actor.engine.compute_dtype,
+                "ref": worker.ref.engine.compute_dtype,
                 "ref_log_prob": both.batch["ref_log_prob"], "old_log_probs": both.batch["old_log_probs"]},
                os.path.join(out, f"rank{rank}.pt"))
 
@@ -45,4 +46,14 @@ def test_the_reference_computes_in_the_actors_dtype(tmp_path, actor_bf16):
     for rank in range(WORLD):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         assert res["actor"] == res["ref"] == want
+        name = "bfloat16" if actor_bf16 else "float32"
+        assert res["reported"] == {"compute_dtype": {"actor": name, "ref": name}}
         assert torch.equal(res["ref_log_prob"], res["old_log_probs"])  # KL of the unchanged policy: exactly 0
+
+
+def test_the_driver_logs_what_each_group_computes_in():
+    from hybridflow.trainer.setup import _dtype_note
+
+    assert _dtype_note({"compute_dtype": {"actor": "float32", "ref": "bfloat16"}}) == \
+        "; computes in actor float32, ref bfloat16"
+    assert _dtype_note(None) == _dtype_note({"compute_dtype": {}}) == ""  # a group that reports none (rewards)
