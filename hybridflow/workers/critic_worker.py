@@ -66,7 +66,7 @@ class CriticWorker(Worker):
             nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
             optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward, role="critic",
             fsdp_size=fsdp.fsdp_size,
-            lora=lora_lib.lora_enabled(cfg.model), lora_config=cfg.model,  # critic.model.lora_*: backbone adapters
+            lora=lora_lib.lora_enabled(model_cfg),  # inputs.model carries critic.model's lora_*: backbone adapters
             remove_padding=model_cfg.use_remove_padding))
         self.critic = PPOCritic(engine, None, cfg)
         engine.offload()
