@@ -56,6 +56,8 @@ print(json.dumps({"item": "dtype_probe", "result": {"bf16_speedup": speedup,
 
 # one worker-group call's round trip vs bare Ray actor calls (same run)
 run call_overhead python benchmarks/call_overhead.py
+# the generation tp group's decode collectives on CPU: gloo vs shared memory (same run)
+run tp_collectives python benchmarks/tp_collectives.py
 
 # TRL / hybridflow at the default tiny shape and at the medium shape, TRL with 1 and 2 threads (targets 1.5 / 1.2)
 run compare_trl_tiny python benchmarks/compare_trl.py --trl-threads 1,2

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridflow.distributed.shm_comm import ShmGroup
 from hybridflow.distributed.tp import tp_dims  # the generation layout of the architecture
 from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, is_contiguous_region, local_slices,
                                     plan_from_weight_specs)
@@ -139,7 +140,9 @@ class HybridEngine:
             if self.rank in ranks:
                 mine = (group, sorted(ranks))
         group, members = mine
-        return TPGroup(group, self.gen_tp_rank, size, [self.plan.gen_tp_rank(r) for r in members])
+        # CPU (gloo): the decode loop's per-layer collectives through shared memory where the members share a host
+        shm = ShmGroup.create(group) if dist.get_backend(group) == "gloo" else None
+        return TPGroup(group, self.gen_tp_rank, size, [self.plan.gen_tp_rank(r) for r in members], shm)
 
     # ------------------------------------------------------------------ switches
     @torch.no_grad()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from hybridflow.distributed.shm_comm import ShmGroup
 from hybridflow.distributed.tp import check_tp_size, get_tp_plan, localize_attention
 
 __all__ = ["RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "VocabParallelLMHead",
@@ -33,22 +34,32 @@ __all__ = ["RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "VocabParal
 
 class TPGroup:
     """A generation tp group: the process group, this rank's tp_g rank, the size, and ``order[i]``: the tp_g
-    rank of the group's i-th member by global rank (the order of ``all_gather`` outputs)."""
+    rank of the group's i-th member by global rank (the order of ``all_gather`` outputs). ``shm``: the members'
+    shared-memory collectives (:mod:`hybridflow.distributed.shm_comm`; a gloo group on one host), used for the CPU
+    tensors that fit its slots; everything else goes through ``torch.distributed``."""
 
-    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int, order: list[int]) -> None:
-        self.group, self.rank, self.size, self.order = group, rank, size, order
+    def __init__(self, group: Optional[dist.ProcessGroup], rank: int, size: int, order: list[int],
+                 shm: Optional[ShmGroup] = None) -> None:
+        self.group, self.rank, self.size, self.order, self.shm = group, rank, size, order, shm
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(tensor, group=self.group)
+        """Sum ``tensor`` over the group in place; returns it."""
+        if self.size == 1:
+            return tensor
+        if self.shm is not None and self.shm.fits(tensor):
+            return self.shm.all_reduce_(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate every member's ``tensor`` along the last dim, in tp_g rank order."""
         if self.size == 1:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        if self.shm is not None and self.shm.fits(tensor):
+            parts = self.shm.all_gather(tensor)  # views of shared memory: the cat below copies them out
+        else:
+            parts = [torch.empty_like(tensor) for _ in range(self.size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.group)
         ordered = [None] * self.size
         for member, tp_rank in enumerate(self.order):
             ordered[tp_rank] = parts[member]
