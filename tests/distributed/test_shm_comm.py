@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers.gloo import spawn_ranks
 from hybridflow.distributed.shm_comm import ShmGroup
 from hybridflow.engine.tp_model import TPGroup
 
@@ -55,10 +54,7 @@ def _sums_and_gathers(rank: int, shm: ShmGroup, group=None) -> list[str]:
     return problems
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _rank(rank: int, out: str) -> None:
     before = {n for n in os.listdir("/dev/shm") if n.startswith("hybridflow-")}
     result = {}
     shm = ShmGroup.create(None)
@@ -85,18 +81,11 @@ def _rank(rank: int, port: int, out: str) -> None:
             result["timeout"] = str(exc)
     dist.barrier()
     torch.save(result, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_shared_memory_collectives_on_three_ranks(tmp_path):
     out = str(tmp_path / "res")
-    mp.spawn(_rank, args=(_free_port(), out), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, out, world=WORLD)
     for rank in range(WORLD):
         res = torch.load(f"{out}.{rank}")
         assert res["created"] and res["problems"] == []
