@@ -41,18 +41,16 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
-import tempfile
 import time
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from _gloo import run_gloo_ranks  # benchmarks/_gloo.py (this script's folder is on sys.path)
 from hybridflow.distributed import build_mesh, parallelize_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
 from hybridflow.engine.plan import local_slices
@@ -189,10 +187,8 @@ def _megatron_engine(args: argparse.Namespace, rank: int) -> tuple[HybridEngine,
     return engine, expected
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+def _worker(rank: int, args: argparse.Namespace, out_path: str) -> None:
+    world = dist.get_world_size()
     engine, reference = (_megatron_engine if args.layout == "megatron" else _fsdp2_engine)(args, rank)
     plan = engine.plan
 
@@ -236,7 +232,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_path
             **({} if args.layout == "megatron" else {
                 "naive_s": round(naive_s, 4), "engine_over_naive": round(engine_s / naive_s, 3),
                 "naive_peak_extra_bytes": int(stats[1])})})
-    dist.destroy_process_group()
 
 
 def _write_result(out_path: str, args: argparse.Namespace, engine: HybridEngine, timed: dict) -> None:
@@ -272,14 +267,7 @@ def main() -> None:
     if args.pp > 1 and args.layout != "megatron":
         parser.error("--pp needs --layout megatron (fsdp2 has no pipeline parallelism)")
     world = args.dp * args.tp * args.pp
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(world, port, args, out), nprocs=world, join=True)
-        with open(out) as f:
-            print(json.dumps(json.load(f)))
+    print(json.dumps(run_gloo_ranks(_worker, world, args, threads=args.threads)))
 
 
 if __name__ == "__main__":

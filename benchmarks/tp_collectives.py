@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from _gloo import run_gloo_ranks  # benchmarks/_gloo.py (this script's folder is on sys.path)
 from hybridflow.distributed.shm_comm import ShmGroup
 
 
@@ -34,10 +32,7 @@ def _timed(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def _rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _rank(rank: int, args: argparse.Namespace, out: str) -> None:
     shm = ShmGroup.create(None)
     if shm is None:
         raise SystemExit("shared-memory collectives are not available here (Linux x86-64 with /dev/shm only)")
@@ -62,9 +57,9 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: str) -> None:
     both = [torch.empty_like(summed) for _ in range(2)]
     dist.all_gather(both, summed)
     if rank == 0:
-        torch.save({"us": {k: statistics.median(v) for k, v in times.items()},
-                    "same_bits": torch.equal(both[0], both[1])}, out)
-    dist.destroy_process_group()
+        with open(out, "w") as f:
+            json.dump({"us": {k: statistics.median(v) for k, v in times.items()},
+                       "same_bits": torch.equal(both[0], both[1])}, f)
 
 
 def main() -> None:
@@ -76,13 +71,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     load_before = os.getloadavg()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pt")
-        mp.spawn(_rank, args=(port, args, out), nprocs=2, join=True)
-        result = torch.load(out)
+    result = run_gloo_ranks(_rank, 2, args)
     us = {k: round(v, 1) for k, v in result["us"].items()}
     print(json.dumps({
         "benchmark": "tp_collectives", "rows": args.rows, "hidden": args.hidden, "vocab": args.vocab,

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_SLOT_BYTES", "ShmGroup"]
+__all__ = ["DEFAULT_SLOT_BYTES", "ShmGroup", "platform_supported"]
 
 #: bytes per member and buffer: a decode step's (rows, hidden) activations up to 1 MiB (e.g. 256 x 1024 fp32)
 DEFAULT_SLOT_BYTES = 1 << 20
@@ -45,6 +45,13 @@ _SHM_DIR = "/dev/shm"  # Linux's shared-memory file system
 _FLAG_STRIDE = 8  # int64s per member flag: one 64-byte cache line each
 _SPIN = 200  # busy polls before yielding the core
 _MAX_VIEWS = 256  # cached slot views (dtype and shape combinations x buffers x members)
+
+
+def platform_supported() -> bool:
+    """Whether this process's platform can use the shared-memory path: Linux on x86-64 (total store order) with a
+    ``/dev/shm`` file system."""
+    return platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64") \
+        and os.path.isdir(_SHM_DIR)
 
 
 def _same_host(group: Optional[dist.ProcessGroup], size: int) -> bool:
@@ -83,9 +90,7 @@ class ShmGroup:
         x86-64, members on several hosts, a segment that would not fit in the free shared memory)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         total = size * _FLAG_STRIDE * 8 + 2 * size * slot_bytes
-        same_host = _same_host(group, size)  # collective: every member calls it
-        usable = same_host and platform.system() == "Linux" and platform.machine().lower() in ("x86_64", "amd64") \
-            and os.path.isdir(_SHM_DIR)
+        usable = _same_host(group, size) and platform_supported()  # (_same_host is collective: called first)
         if rank == 0 and usable:
             usable = shutil.disk_usage(_SHM_DIR).free > 2 * total
         source = dist.get_global_rank(group, 0) if group is not None else 0
@@ -153,7 +158,9 @@ class ShmGroup:
         checks :meth:`fits` first."""
         buffer = self._publish(tensor.contiguous())
         slots = [self._slot(buffer, member, tensor) for member in range(self.size)]
-        torch.add(slots[0], slots[1], out=tensor) if self.size > 1 else tensor.copy_(slots[0])
+        if self.size == 1:
+            return tensor.copy_(slots[0])
+        torch.add(slots[0], slots[1], out=tensor)
         for slot in slots[2:]:
             tensor.add_(slot)
         return tensor

@@ -1,18 +1,18 @@
 """benchmarks/tp_collectives.py runs end to end on 2 gloo ranks (few calls; its timings are not asserted)."""
 
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from hybridflow.distributed.shm_comm import platform_supported
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"),
-                    reason="the shared-memory path is used on Linux x86-64 only")
+@pytest.mark.skipif(not platform_supported(), reason="the shared-memory path is used on Linux x86-64 only")
 def test_prints_one_json_line_with_both_ways_and_the_load():
     out = subprocess.run([sys.executable, "benchmarks/tp_collectives.py", "--calls", "20", "--rounds", "1"],
                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True).stdout

@@ -6,18 +6,16 @@ rank named; nothing is left in /dev/shm."""
 from __future__ import annotations
 
 import os
-import platform
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from helpers.gloo import spawn_ranks
-from hybridflow.distributed.shm_comm import ShmGroup
+from hybridflow.distributed.shm_comm import ShmGroup, platform_supported
 from hybridflow.engine.tp_model import TPGroup
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"),
-                                reason="the shared-memory path is used on Linux x86-64 only")
+pytestmark = pytest.mark.skipif(not platform_supported(), reason="the shared-memory path is used on Linux x86-64 only")
 
 WORLD = 3
 SHAPES = [(32, 64), (1, 7), (4, 3, 5), (300,)]
