@@ -2,8 +2,9 @@
 # Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
 # each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
 # Meant for a quiet machine (nothing else running; each result records the load average): about 30 minutes on
-# 2 cores (19-27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them; each item first waits for the 1-minute
-# load to fall below 1.5). Needs the bench extra (TRL) for compare_trl and vLLM for the rollout comparison
+# 2 cores (19-27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them, the medium GRPO step profile ~1.5;
+# each item first waits for the 1-minute load to fall below 1.5). Needs the bench extra (TRL) for compare_trl and
+# vLLM for the rollout comparison
 # (skipped otherwise).
 #
 #     benchmarks/run_perf_suite.sh > perf.jsonl
@@ -88,6 +89,13 @@ run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_
 # training phases at the medium shape vs the matmul rate (target >= 70%)
 run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium $FP32 \
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
+# the same at compare_trl's medium GRPO shape (8 prompts x 4, 128 new tokens, one update per step with the
+# reference forward inside it), the shape the issue's 70 % target names
+run step_profile_medium_grpo python benchmarks/step_profile.py --steps 3 --recipe grpo_quickstart --model medium $FP32 \
+  data.train_batch_size=8 data.builtin_train_size=32 actor_rollout_ref.rollout.n=4 data.max_response_length=128 \
+  actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
+  actor_rollout_ref.model.use_remove_padding=true actor_rollout_ref.actor.kl_loss_coef=0.001 \
+  actor_rollout_ref.actor.kl_loss_type=low_var_kl
 
 # async vs sync (target >= 1.6): two rounds of 12 steps (one 8-step round varied by ~0.1 between runs)
 run async_vs_sync python benchmarks/async_vs_sync.py --steps 12 --rounds 2
