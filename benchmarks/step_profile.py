@@ -6,8 +6,9 @@ actor update; reference and old logprobs run inside the generation call are its 
 generate's), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
 (step time not spent inside a worker method: dispatch, serialization, object store, driver math) as a fraction of
 the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
-the same run with the same process/thread layout (``--ranks`` processes, one thread each, all at once). Steps after the first are averaged (the first
-includes warm-up).
+the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once; 2 s
+before the workers start and 2 s after they stop, the fractions against the mean of the two, both printed, so a
+drifting machine shows: on a 2-core EPYC the loop measured 141-167 GFLOP/s in runs minutes apart). Steps after the first are averaged (the first includes warm-up).
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
@@ -64,7 +65,13 @@ def phase_flops(params: int, sequences: int, tokens_per_sequence: float, epochs:
     return flops
 
 
-def _run(args) -> tuple[list[dict], object, int]:
+def _ranks(cfg) -> int:
+    return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+
+
+def _run(args, loop_rates: list[float]) -> tuple[list[dict], object, int]:
+    """Train ``args.steps`` steps; returns the metrics rows, the config and the parameter count. Appends the matmul
+    loop's rate measured just before the workers start to ``loop_rates``."""
     from hybridflow.config import load_config
     from hybridflow.models.presets import parameter_count, resolve_benchmark_model
     from hybridflow.trainer.main import run_ppo
@@ -76,6 +83,7 @@ def _run(args) -> tuple[list[dict], object, int]:
                                          "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
                                          *args.overrides])
         params = parameter_count(cfg.actor_rollout_ref.model.path)
+        loop_rates.append(matmul_rate(_ranks(cfg), size=MATMUL_SIZE))
         run_ppo(cfg)
         with open(f"{out}/metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
@@ -92,10 +100,12 @@ def main() -> None:
     if args.steps < 2:  # the first step is warm-up: one step would time only it
         parser.error(f"--steps: at least 2 (the first step is warm-up and not timed), got {args.steps}")
     load_before = os.getloadavg()
-    rows, cfg, params = _run(args)
+    loop_rates: list[float] = []
+    rows, cfg, params = _run(args, loop_rates)
     steady = rows[1:] or rows
-    ranks = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
-    rate = matmul_rate(ranks, size=MATMUL_SIZE)
+    ranks = _ranks(cfg)
+    loop_rates.append(matmul_rate(ranks, size=MATMUL_SIZE))
+    rate = statistics.mean(loop_rates)
 
     def avg(key: str) -> float:
         return statistics.mean(r.get(key, 0.0) for r in steady)
@@ -126,6 +136,7 @@ def main() -> None:
         "phase_gflop": {k: v / 1e9 for k, v in flops.items()},
         "phase_gflop_per_s": achieved,
         "matmul_gflop_per_s": rate / 1e9, "matmul_size": MATMUL_SIZE,
+        "matmul_gflop_per_s_before_after": [r / 1e9 for r in loop_rates],
         "phase_matmul_fraction": {k: v * 1e9 / rate for k, v in achieved.items()},
     }))
 

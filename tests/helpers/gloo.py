@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any, Callable
 
 import torch
@@ -33,9 +34,25 @@ def _entry(rank: int, world: int, port: int, init_group: bool, fn: Callable[...,
         dist.init_process_group("gloo")
     try:
         fn(rank, *args)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    finish_rank()
+
+
+def finish_rank() -> None:
+    """End a spawned rank whose work succeeded: wait for every rank (none tears the group down while a peer's
+    collectives may still run), destroy the process group, flush and leave with status 0 at once, skipping
+    interpreter finalization. In clean-clone CI runs a rank that had finished its work sometimes died there with
+    SIGABRT ("terminate called without an active exception": gloo objects with live threads destroyed during
+    finalization), which failed tests whose every check had passed."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn: Callable[..., None], *args: Any, world: int = 2, init_group: bool = True) -> None:

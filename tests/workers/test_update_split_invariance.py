@@ -9,16 +9,12 @@ filtering the reference is the unfiltered update of the batch without its trunca
 them out of the numerator and of the token/sequence counts alike.
 """
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
+from helpers.gloo import spawn_ranks
 from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
@@ -94,10 +90,7 @@ FILTERS = (False, True)
 BUDGET = 9
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, out: str) -> None:
     mesh = build_mesh(dp=2)
     deltas = {}
     for mode in MODES:
@@ -117,20 +110,13 @@ def _worker(rank: int, port: int, out: str) -> None:
         deltas["ones", all_truncated] = _delta(actor, data, B // 2)
     if rank == 0:
         torch.save(deltas, out)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def dp_deltas(tmp_path_factory):
     """Weight changes from 2 gloo ranks (FSDP2), for every mode and micro-batch size, in one spawn."""
     out = str(tmp_path_factory.mktemp("dp") / "deltas.pt")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, out)
     return torch.load(out)
 
 
