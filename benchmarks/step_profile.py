@@ -8,7 +8,8 @@ generate's), the same phases measured inside the workers (the slowest rank's), t
 the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
 the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once; 2 s
 before the workers start and 2 s after they stop, the fractions against the mean of the two, both printed, so a
-drifting machine shows: on a 2-core EPYC the loop measured 141-167 GFLOP/s in runs minutes apart). Steps after the first are averaged (the first includes warm-up).
+drifting machine shows: on a 2-core EPYC the loop measured 141-167 GFLOP/s in runs minutes apart). Steps after
+the first are averaged (the first includes warm-up).
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
@@ -69,9 +70,9 @@ def _ranks(cfg) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-def _run(args, loop_rates: list[float]) -> tuple[list[dict], object, int]:
-    """Train ``args.steps`` steps; returns the metrics rows, the config and the parameter count. Appends the matmul
-    loop's rate measured just before the workers start to ``loop_rates``."""
+def _run(args) -> tuple[list[dict], object, int, float]:
+    """Train ``args.steps`` steps; returns the metrics rows, the config, the parameter count and the matmul loop's
+    rate (FLOP/s) measured just before the workers start."""
     from hybridflow.config import load_config
     from hybridflow.models.presets import parameter_count, resolve_benchmark_model
     from hybridflow.trainer.main import run_ppo
@@ -83,11 +84,11 @@ def _run(args, loop_rates: list[float]) -> tuple[list[dict], object, int]:
                                          "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
                                          *args.overrides])
         params = parameter_count(cfg.actor_rollout_ref.model.path)
-        loop_rates.append(matmul_rate(_ranks(cfg), size=MATMUL_SIZE))
+        rate_before = matmul_rate(_ranks(cfg), size=MATMUL_SIZE)
         run_ppo(cfg)
         with open(f"{out}/metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
-    return rows, cfg, params
+    return rows, cfg, params, rate_before
 
 
 def main() -> None:
@@ -100,11 +101,10 @@ def main() -> None:
     if args.steps < 2:  # the first step is warm-up: one step would time only it
         parser.error(f"--steps: at least 2 (the first step is warm-up and not timed), got {args.steps}")
     load_before = os.getloadavg()
-    loop_rates: list[float] = []
-    rows, cfg, params = _run(args, loop_rates)
+    rows, cfg, params, rate_before = _run(args)
     steady = rows[1:] or rows
     ranks = _ranks(cfg)
-    loop_rates.append(matmul_rate(ranks, size=MATMUL_SIZE))
+    loop_rates = [rate_before, matmul_rate(ranks, size=MATMUL_SIZE)]
     rate = statistics.mean(loop_rates)
 
     def avg(key: str) -> float:

@@ -2,17 +2,14 @@
 leads to, the env switch the suite uses, agreement across 2 gloo ranks, and an FSDP2 mixed-precision model that
 keeps fp32 weights and gradients while computing in bf16."""
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hybridflow.distributed import apply_fsdp2, build_mesh
 from hybridflow.distributed import precision
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.distributed.precision import (agree_across_ranks, bf16_is_faster, mixed_precision_policy,
                                               training_dtypes)
 
@@ -58,10 +55,7 @@ def test_auto_dtypes_follow_the_probe_and_explicit_dtypes_never_probe(monkeypatc
     assert mixed_precision_policy(torch.bfloat16).param_dtype == torch.bfloat16
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, out: str) -> None:
     result = {"agree_mixed": agree_across_ranks(rank == 0), "agree_all": agree_across_ranks(True),
               "dtypes": training_dtypes("auto", "cpu", probe=lambda: rank == 1)}
     torch.manual_seed(0)
@@ -74,18 +68,11 @@ def _worker(rank: int, port: int, out: str) -> None:
     result["param_dtypes"] = {p.dtype for p in model.parameters()}
     result["grad_dtypes"] = {p.grad.dtype for p in model.parameters() if p.grad is not None}
     torch.save(result, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ranks_agree_and_mixed_precision_keeps_fp32_master_weights(tmp_path):
     out = str(tmp_path / "res")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    spawn_ranks(_worker, out)
     for rank in range(2):
         res = torch.load(f"{out}.{rank}")
         assert res["agree_mixed"] is False and res["agree_all"] is True

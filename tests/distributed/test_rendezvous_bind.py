@@ -3,14 +3,13 @@ store on MASTER_ADDR=127.0.0.1) and a weight-transfer store listen on loopback o
 
 import ipaddress
 import os
-import socket
 
 import psutil
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hybridflow.distributed.init import init_distributed
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.distributed.weight_sync import open_store
 
 
@@ -23,8 +22,7 @@ def _loopback(ip: str) -> bool:
     return (getattr(address, "ipv4_mapped", None) or address).is_loopback
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+def _rank(rank: int, out: str) -> None:
     os.environ.pop("GLOO_SOCKET_IFNAME", None)
     init_distributed(timeout_s=60)
     t = torch.tensor([rank + 1.0])
@@ -35,14 +33,10 @@ def _rank(rank: int, port: int, out: str) -> None:
     with open(f"{out}/{rank}.txt", "w") as f:
         f.write(f"{t.item()} {os.environ.get('GLOO_SOCKET_IFNAME')} {' '.join(ips)}")
     del stores
-    dist.destroy_process_group()
 
 
 def test_rendezvous_and_transport_listen_on_loopback_only(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_rank, str(tmp_path), init_group=False)  # init_distributed binds the rendezvous itself
     for rank in (0, 1):
         total, interface, *ips = (tmp_path / f"{rank}.txt").read_text().split()
         assert float(total) == 3.0  # 1 + 2

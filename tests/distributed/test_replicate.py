@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.config import load_config
 from hybridflow.config.loader import ConfigError
 from hybridflow.distributed import fsdp, replicate

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.distributed.shm_comm import ShmGroup, platform_supported
 from hybridflow.engine.tp_model import TPGroup
 

@@ -6,12 +6,12 @@ import datetime
 import io
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from hybridflow.distributed.launch import free_port
 from hybridflow.distributed.weight_sync import WeightTransferGroup, bucket_layout, layout_of, open_store
 
 
@@ -35,12 +35,6 @@ def test_bucket_layout_by_hand():
         bucket_layout(layout, 0)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _own_default_group(port):
     """A world of 1 per process, like a worker group of its own (the transfer group must not need it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,7 +55,7 @@ def test_one_sender_two_receivers_in_separate_processes():
     tensors = _tensors()
     layout = layout_of(tensors)
     out = ctx.Queue()
-    procs = [ctx.Process(target=_receiver, args=(r, "127.0.0.1", store.port, layout, _free_port(), out))
+    procs = [ctx.Process(target=_receiver, args=(r, "127.0.0.1", store.port, layout, free_port(), out))
              for r in (1, 2)]
     for p in procs:
         p.start()

@@ -14,16 +14,13 @@ the ranks allow}:
 One process spawn per world size (2 and 4); each loops over its layouts. Qwen2 (q/k/v biases) runs one layout.
 """
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.generation import greedy_rollout, left_padded_prompts
 from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
@@ -137,19 +134,9 @@ def _case(arch, dp, tp, tp_g, offload, rank) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, world: int, out: str) -> None:
     results = {case: _case(*case, rank) for case in CASES[world]}
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +145,7 @@ def runs(tmp_path_factory):
     results = {}
     for world in CASES:
         out = str(tmp_path_factory.mktemp(f"w{world}") / "result")
-        mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
+        spawn_ranks(_worker, world, out, world=world)
         per_rank = [torch.load(f"{out}.{r}") for r in range(world)]
         for case in CASES[world]:
             results[case] = [per_rank[r][case] for r in range(world)]

@@ -20,17 +20,15 @@ read from anywhere but the yielded shards shows). For each layout:
 
 import itertools
 import math
-import os
 from types import SimpleNamespace
 from typing import Iterator, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaForCausalLM
 
-from helpers.gloo import free_port
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.generation import greedy_rollout, left_padded_prompts
 from helpers.models import tiny_model
 from hybridflow.engine import HybridEngine, TensorMemoryTracker
@@ -286,14 +284,11 @@ def _case(dp: int, tp: int, pp: int, tp_g: int, tied: bool, rank: int) -> dict:
     return result
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, out: str) -> None:
     from hybridflow.training import register_engine, registered_engines
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
     if ENGINE not in registered_engines():  # registered in the worker processes only
         register_engine(ENGINE, pipeline_parallel=True)(SyntheticMegatronEngine)
-    dist.init_process_group("gloo")
     results = {case: _case(*case, rank) for case in CASES}
     for mistake in ("all_stages", "omit_one"):  # engines breaking the contract: caught before any transfer
         spec = EngineSpec(kind="policy", model=SimpleNamespace(tied=False, mistake=mistake),
@@ -305,14 +300,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         except RuntimeError as error:
             results[mistake] = str(error)
     torch.save(results, f"{out}.{rank}")
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def runs_raw(tmp_path_factory) -> list:
     """Per rank: case -> its results (one spawn of 4 ranks for all cases)."""
     out = str(tmp_path_factory.mktemp("reshard3d") / "result")
-    mp.spawn(_worker, args=(4, free_port(), out), nprocs=4, join=True)
+    spawn_ranks(_worker, out, world=4)
     return [torch.load(f"{out}.{r}") for r in range(4)]
 
 

@@ -1,6 +1,6 @@
 """The 2-rank LoRA actor-worker setup shared by tests/workers/test_lora_worker.py (hf rollout) and
 test_lora_vllm.py (vllm rollout): the config, the prompts and the training batch those tests drive the real
-``ActorRolloutRefWorker`` with, rank by rank (launched with :func:`helpers.gloo.spawn_ranks`)."""
+``ActorRolloutRefWorker`` with, rank by rank (launched with :func:`hybridflow.distributed.launch.spawn_ranks`)."""
 
 from __future__ import annotations
 

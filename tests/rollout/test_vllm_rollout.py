@@ -15,7 +15,6 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import transformers
 
 from helpers.models import tiny_model as helper_model
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import HFRollout, RolloutAsleepError, get_rollout_class
 
@@ -373,19 +373,9 @@ def test_without_vllm_install_hint(monkeypatch, capsys):
 
 
 # --------------------------------------------------------------------------------------- multi-process (slow)
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _tp_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _tp_worker(rank: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rollout = VLLMRollout(model_dir, rollout_config(tensor_model_parallel_size=2), eos_token_id=NO_EOS,
                           pad_token_id=PAD, max_model_len=64)
     first = rollout.generate_sequences(left_pad(PROMPTS)).batch["responses"].tolist()
@@ -397,7 +387,6 @@ def _tp_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"first": first, "second": second, "world_kept": world_kept}, f)
-    dist.destroy_process_group()
 
 
 @pytest.mark.slow
@@ -405,7 +394,7 @@ def test_tensor_parallel_engine_across_two_ranks(model_dir, tmp_path, hf_model):
     """tp_g = 2: one engine over two processes of an existing gloo world (vLLM's external_launcher); both ranks
     return the hf backend's greedy tokens, before and after an in-place weight sync, and closing the engine
     leaves the worker group's world up."""
-    torch.multiprocessing.spawn(_tp_worker, args=(_free_port(), str(model_dir), str(tmp_path)), nprocs=2)
+    spawn_ranks(_tp_worker, str(model_dir), str(tmp_path))
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     hf = HFRollout(hf_model, rollout_config(), eos_token_id=NO_EOS, pad_token_id=PAD)
     expected_first = hf.generate_sequences(left_pad(PROMPTS)).batch["responses"].tolist()

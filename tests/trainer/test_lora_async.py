@@ -3,15 +3,14 @@ vllm with ``lora_sync=adapter``; an int8 generator gets merged weights), plus th
 every generator checks after loading a push (``sync/verified``); a generator whose load does nothing fails."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("peft")
 
 from hybridflow.config import load_config  # noqa: E402
+from hybridflow.distributed.launch import spawn_ranks  # noqa: E402
 from hybridflow.models import lora as lora_lib  # noqa: E402
 from hybridflow.models import lora_sync  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
@@ -62,9 +61,8 @@ def test_async_lora_pushes_adapters_and_generators_verify(ray_session, tmp_path)
     assert rows[1]["sync/probe_logprob_sum"] != rows[2]["sync/probe_logprob_sum"]  # a new policy each push
 
 
-def _generator_rank(rank: int, port: int, backend: str, out: str) -> None:
+def _generator_rank(rank: int, backend: str, out: str) -> None:
     """One generator rank (adapter payload): a checked push, then a push whose load does nothing."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from hybridflow.trainer.worker_inputs import generator_args
     from hybridflow.workers.generator_worker import GeneratorWorker
 
@@ -99,17 +97,13 @@ def _generator_rank(rank: int, port: int, backend: str, out: str) -> None:
     if backend == "vllm":
         worker.rollout.close()
     torch.save(result, os.path.join(out, "result.pt"))
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("backend", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_generator_checks_each_push_and_a_lost_push_fails(tmp_path, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_generator_rank, args=(port, backend, str(tmp_path)), nprocs=1, join=True)
+    spawn_ranks(_generator_rank, backend, str(tmp_path), world=1, init_group=False)  # the worker starts the group
     result = torch.load(tmp_path / "result.pt", weights_only=False)
     assert result[1]["sync/verified"] == 1.0
     assert result[1]["sync/probe_max_abs_diff"] <= (1e-5 if backend == "hf" else 1e-4)

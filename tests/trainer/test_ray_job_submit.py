@@ -3,7 +3,6 @@ connects through RAY_ADDRESS instead of starting its own cluster). The test stop
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,15 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hybridflow.distributed.launch import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray() -> str:
@@ -41,15 +36,15 @@ def _stop_cluster(temp_dir: str) -> None:
 
 
 def test_ray_job_submit_to_existing_cluster(tmp_path):
-    gcs, dashboard = _free_port(), _free_port()
+    gcs, dashboard = free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="hfray", dir="/tmp")  # Ray's socket paths must stay short
     # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode)
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
     # every port explicit: another Ray on this machine (e.g. the test session's own) holds the defaults
     start = [_ray(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-             f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
              f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
     try:

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.training.packing import VARLEN_ATTENTION, use_fp32_attention_backward
 
 V = 64

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.config.schema import OptimConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh
 from hybridflow.training import FSDP2Engine

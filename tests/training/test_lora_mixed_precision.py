@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.multiprocessing.spawn import ProcessExitedException
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 
 pytest.importorskip("peft")
 

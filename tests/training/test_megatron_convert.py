@@ -4,7 +4,6 @@ for Llama (GQA), a tied-embedding model and Qwen2 (q/k/v bias); a 1-rank GPTMode
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import transformers
 
 pytest.importorskip("megatron.core")
 
+from hybridflow.distributed.launch import free_port
 from hybridflow.models.megatron_convert import (hf_params, hf_shard_from_local, local_from_hf, merge_tp_shards,
                                                 stage_layers, tp_shard)
 from tests.helpers.models import tiny_model
@@ -76,12 +76,6 @@ def test_stage_layers_even_split() -> None:
         stage_layers(3, 2, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def megatron_1rank():
     import torch.distributed as dist
@@ -89,7 +83,7 @@ def megatron_1rank():
 
     from hybridflow.training.megatron_cpu import cpu_adapter
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     with cpu_adapter("cpu"):

@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from omegaconf import OmegaConf
 
@@ -23,7 +22,7 @@ from hybridflow.training import EngineSpec, FSDP2Engine, ParallelLayout, get_eng
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 from hybridflow.workers.ppo_actor import PPOActor
 from hybridflow.workers.ppo_critic import PPOCritic
-from tests.helpers.gloo import free_port
+from hybridflow.distributed.launch import spawn_ranks
 from tests.helpers.models import tiny_model
 
 V, P, R = 64, 5, 4
@@ -122,12 +121,9 @@ def _nan_step_is_skipped(engine, data: DataProto) -> bool:
     return skipped and grad_norm != grad_norm and engine.skipped_steps == 1 and unchanged
 
 
-def _worker(rank: int, port: int, root: str) -> None:
+def _worker(rank: int, root: str) -> None:
     from megatron.core import parallel_state
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     results = {}
     for tp, pp in LAYOUTS:  # one spawn for both layouts (process start-up dominates on 2 cores)
         layout = ParallelLayout(dp=4 // (tp * pp), tp=tp, pp=pp)
@@ -145,7 +141,6 @@ def _worker(rank: int, port: int, root: str) -> None:
             results["tied"] = (metrics, out)
         parallel_state.destroy_model_parallel()
     torch.save(results, os.path.join(root, f"res.{rank}"))
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +161,7 @@ def test_megatron_updates_equal_fsdp2_and_resume_exactly(checkpoints) -> None:
     lr: AdamW's first step is about lr * g/|g|, so elements whose gradient is near eps amplify the fp32
     summation-order differences of tp/pp); HF tp-shards equal slices of the gathered weights."""
     root, refs = checkpoints
-    mp.spawn(_worker, args=(free_port(), root), nprocs=4, join=True)
+    spawn_ranks(_worker, root, world=4)
     per_rank = [torch.load(os.path.join(root, f"res.{r}"), weights_only=False) for r in range(4)]
     mask = _batch().batch["response_mask"].bool()
     assert all(res["resume"][0] for res in per_rank)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.role_runs import all_variants, assert_variants_equal_padded
 from hybridflow.protocol import DataProto
 from hybridflow.training.micro import response_forward

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.lora_ranks import P, R, WORLD, prompts, response_batch
 from hybridflow.config import load_config
 from hybridflow.workers.inputs import LOG_PROBS_IN_GENERATE

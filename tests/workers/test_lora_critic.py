@@ -4,15 +4,14 @@ the values equal a separately loaded value model's (B = 0 makes the adapters a n
 towards the returns."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("peft")
 
 from hybridflow.config import load_config  # noqa: E402
+from hybridflow.distributed.launch import spawn_ranks  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
 
 B, P, R, WORLD = 4, 5, 6, 2
@@ -34,9 +33,7 @@ def _batch() -> DataProto:
                                         "responses": ids[:, P:], "response_mask": torch.ones(B, R, dtype=torch.long)})
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _rank(rank: int, out: str) -> None:
     from hybridflow.workers.critic_worker import CriticWorker
 
     from hybridflow.trainer.worker_inputs import critic_args
@@ -55,16 +52,12 @@ def _rank(rank: int, port: int, out: str) -> None:
     res["values1"] = worker.compute_values(batch).batch["values"]
     if rank == 0:
         torch.save(res, os.path.join(out, "rank0.pt"))
-    torch.distributed.destroy_process_group()
 
 
 def test_critic_lora_trains_adapters_and_head(tmp_path):
     from hybridflow.models.hf import load_value_model
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, str(tmp_path), world=WORLD, init_group=False)  # the critic worker initializes the group
     res = torch.load(tmp_path / "rank0.pt", weights_only=False)
     torch.manual_seed(SEED + 1)  # the critic worker's seed before it loads the value model (fresh head)
     base = load_value_model("builtin:tiny-arith", torch.float32)

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("vllm")
 
-from helpers.gloo import spawn_ranks  # noqa: E402
+from hybridflow.distributed.launch import spawn_ranks  # noqa: E402
 from helpers.lora_ranks import P, R, WORLD, lora_config, response_batch, train_batch  # noqa: E402
 from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from helpers.gloo import spawn_ranks  # noqa: E402
+from hybridflow.distributed.launch import spawn_ranks  # noqa: E402
 from helpers.lora_ranks import P, WORLD, lora_config, response_batch, train_batch  # noqa: E402
 from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402

@@ -10,7 +10,7 @@ micro-batches, left-padded prompts and responses of different lengths.
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassification
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.role_runs import all_variants, assert_variants_equal_padded
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import VARLEN_ATTENTION, pack, packed_forward, packed_response_forward

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.lora_ranks import WORLD, prompts, response_batch
 from hybridflow.config import load_config
 

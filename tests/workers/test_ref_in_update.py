@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.lora_ranks import P, R, WORLD, prompts, response_batch
 from hybridflow.config import load_config
 from hybridflow.workers.inputs import REF_IN_UPDATE

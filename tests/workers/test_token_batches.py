@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaForCausalLM
 
-from helpers.gloo import spawn_ranks
+from hybridflow.distributed.launch import spawn_ranks
 from helpers.models import tiny_model
 from hybridflow.config.schema import ActorConfig
 from hybridflow.distributed import apply_fsdp2, build_mesh, iter_full_state
