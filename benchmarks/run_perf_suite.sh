@@ -86,12 +86,14 @@ run step_profile_grpo python benchmarks/step_profile.py --steps 6 --recipe grpo_
   data.builtin_train_size=48 actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=8 \
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 actor_rollout_ref.model.use_remove_padding=true \
   actor_rollout_ref.actor.kl_loss_coef=0.001 actor_rollout_ref.actor.kl_loss_type=low_var_kl
-# training phases at the medium shape vs the matmul rate (target >= 70%)
-run step_profile_medium python benchmarks/step_profile.py --steps 3 --model medium $FP32 \
+# training phases at the medium shape vs the matmul rate (target >= 70%), in steady state: the first three steps
+# are warm-up (each worker's heap grows over its first updates and every new page faults once; step_profile.py)
+run step_profile_medium python benchmarks/step_profile.py --steps 6 --warmup 3 --model medium $FP32 \
   actor_rollout_ref.model.use_remove_padding=true critic.model.use_remove_padding=true
 # the same at compare_trl's medium GRPO shape (8 prompts x 4, 128 new tokens, one update per step with the
 # reference forward inside it), the shape the 70 % target names
-run step_profile_medium_grpo python benchmarks/step_profile.py --steps 3 --recipe grpo_quickstart --model medium $FP32 \
+run step_profile_medium_grpo python benchmarks/step_profile.py --steps 7 --warmup 3 --recipe grpo_quickstart \
+  --model medium $FP32 \
   data.train_batch_size=8 data.builtin_train_size=32 actor_rollout_ref.rollout.n=4 data.max_response_length=128 \
   actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
   actor_rollout_ref.model.use_remove_padding=true actor_rollout_ref.actor.kl_loss_coef=0.001 \

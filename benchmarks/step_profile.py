@@ -9,7 +9,11 @@ the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a pl
 the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once; 2 s
 before the workers start and 2 s after they stop, the fractions against the mean of the two, both printed, so a
 drifting machine shows: on a 2-core EPYC the loop measured 141-167 GFLOP/s in runs minutes apart). Steps after
-the first are averaged (the first includes warm-up).
+the first ``--warmup`` are averaged. One warm-up step covers start-up; the medium model needs about three: each
+worker's heap grows during its first updates (the activations of a fwd+bwd, around generation's buffers), and
+every new page faults once (measured on a 2-core EPYC, medium GRPO shape: 360k, 260k and 25k minor page faults in
+a worker's first three updates, the update taking 13.7, 11.0, 11.7, then 9.3-10.1 s); ``update_s_by_step`` shows
+the trend.
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
@@ -18,7 +22,8 @@ padding the padded path computes: ``padding_frac`` of the computed tokens, from 
 :mod:`hybridflow.training.shared_prompt`: then FLOPs count the tokens computed); generation counts the valid prompt
 and response tokens (useful FLOPs).
 
-    python benchmarks/step_profile.py [--steps 4] [--recipe quickstart] [--model builtin:tiny-arith|medium|DIR]
+    python benchmarks/step_profile.py [--steps 4] [--warmup 1] [--recipe quickstart]
+                                      [--model builtin:tiny-arith|medium|DIR]
                                       [key=value ...]
 """
 
@@ -94,15 +99,17 @@ def _run(args) -> tuple[list[dict], object, int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1, help="first steps not averaged (default 1)")
     parser.add_argument("--recipe", default="quickstart", help="a shipped recipe name or a YAML path")
     parser.add_argument("--model", default=None, help="a preset (medium), builtin:NAME or a local HF directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    if args.steps < 2:  # the first step is warm-up: one step would time only it
-        parser.error(f"--steps: at least 2 (the first step is warm-up and not timed), got {args.steps}")
+    if args.warmup < 1 or args.steps <= args.warmup:  # the first step is start-up; at least one step is timed
+        parser.error(f"--steps must exceed --warmup >= 1 (warm-up steps are not timed), got --steps {args.steps} "
+                     f"--warmup {args.warmup}")
     load_before = os.getloadavg()
     rows, cfg, params, rate_before = _run(args)
-    steady = rows[1:] or rows
+    steady = rows[args.warmup:] or rows
     ranks = _ranks(cfg)
     loop_rates = [rate_before, matmul_rate(ranks, size=MATMUL_SIZE)]
     rate = statistics.mean(loop_rates)
@@ -133,6 +140,8 @@ def main() -> None:
         "tokens_per_s": avg("perf/throughput"),
         "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch
         "padding_frac": padding,
+        "update_s_by_step": {name: [r.get(f"timing_s/{PHASES[name]}", 0.0) for r in rows]  # warm-up shows here
+                             for name in ("actor_update", "critic_update") if phase_s[name]},
         "phase_gflop": {k: v / 1e9 for k, v in flops.items()},
         "phase_gflop_per_s": achieved,
         "matmul_gflop_per_s": rate / 1e9, "matmul_size": MATMUL_SIZE,

@@ -58,7 +58,9 @@ def test_a_bad_model_is_one_line_and_nothing_is_downloaded(tmp_path, script, mod
     assert "huggingface.co" not in done.stderr
 
 
-def test_step_profile_refuses_a_single_step():
-    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", "--steps", "1"], cwd=ROOT,
+@pytest.mark.parametrize("argv", [["--steps", "1"], ["--steps", "4", "--warmup", "4"], ["--warmup", "0"]])
+def test_step_profile_refuses_runs_that_time_no_step(argv):
+    done = subprocess.run([sys.executable, "benchmarks/step_profile.py", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and "--steps: at least 2" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "--steps must exceed --warmup >= 1" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
