@@ -6,14 +6,15 @@ actor update; reference and old logprobs run inside the generation call are its 
 generate's), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
 (step time not spent inside a worker method: dispatch, serialization, object store, driver math) as a fraction of
 the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
-the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once; 2 s
-before the workers start and 2 s after they stop, the fractions against the mean of the two, both printed, so a
-drifting machine shows: on a 2-core EPYC the loop measured 141-167 GFLOP/s in runs minutes apart). Steps after
-the first ``--warmup`` are averaged. One warm-up step covers start-up; the medium model needs about three: each
-worker's heap grows during its first updates (the activations of a fwd+bwd, around generation's buffers), and
-every new page faults once (measured on a 2-core EPYC, medium GRPO shape: 360k, 260k and 25k minor page faults in
-a worker's first three updates, the update taking 13.7, 11.0, 11.7, then 9.3-10.1 s); ``update_s_by_step`` shows
-the trend.
+the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once, 2 s):
+the loop runs before the workers start and again after every step (in the driver, while the workers wait), and
+each step's fraction is against the mean of the loops just before and just after it, because the machine drifts
+(on a 2-core EPYC the loop measured 113-162 GFLOP/s within minutes); ``matmul_gflop_per_s_by_step`` and
+``phase_matmul_fraction_by_step`` show both. Steps after the first ``--warmup`` are averaged. One warm-up step
+covers start-up; the medium model needs about three: each worker's heap grows during its first updates (the
+activations of a fwd+bwd, around generation's buffers), and every new page faults once (measured on a 2-core
+EPYC, medium GRPO shape: 360k, 260k and 25k minor page faults in a worker's first three updates, the update taking
+13.7, 11.0, 11.7, then 9.3-10.1 s); ``update_s_by_step`` shows the trend.
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
@@ -30,10 +31,12 @@ and response tokens (useful FLOPs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
+from typing import Iterator
 
 from hybridflow.distributed.precision import matmul_rate
 
@@ -45,6 +48,7 @@ PHASE_FLOPS = {"generate": (2, None), "reference": (2, "actor"), "old_log_prob":
                "ref_and_old_log_prob": (4, "actor"),
                "values": (2, "critic"), "critic_update": (6, "critic"), "actor_update": (6, "actor")}
 MATMUL_SIZE = 1024  # the fp32 matmul of the reference rate
+LOOP_SECONDS = 2.0  # each timing of the matmul loop
 
 
 def padding_fraction(rows: list[dict], role: str) -> float | None:
@@ -75,9 +79,29 @@ def _ranks(cfg) -> int:
     return cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
 
 
-def _run(args) -> tuple[list[dict], object, int, float]:
+@contextlib.contextmanager
+def _loop_after_each_step(ranks: int) -> Iterator[dict[int, float]]:
+    """Time the matmul loop (``ranks`` processes, FLOP/s) in the driver right after each step's metrics are logged,
+    while the workers wait for the next step: yields ``{step: rate}``, filled as the run goes."""
+    from hybridflow.utils.tracking import Tracking
+
+    rates: dict[int, float] = {}
+    log = Tracking.log
+
+    def log_then_time(self, data, step: int) -> None:
+        log(self, data, step)
+        rates[step] = matmul_rate(ranks, seconds=LOOP_SECONDS, size=MATMUL_SIZE)
+
+    Tracking.log = log_then_time
+    try:
+        yield rates
+    finally:
+        Tracking.log = log
+
+
+def _run(args) -> tuple[list[dict], object, int, dict[int, float]]:
     """Train ``args.steps`` steps; returns the metrics rows, the config, the parameter count and the matmul loop's
-    rate (FLOP/s) measured just before the workers start."""
+    rates (FLOP/s) by step: ``0`` just before the workers start, ``s`` right after step ``s``."""
     from hybridflow.config import load_config
     from hybridflow.models.presets import parameter_count, resolve_benchmark_model
     from hybridflow.trainer.main import run_ppo
@@ -89,11 +113,49 @@ def _run(args) -> tuple[list[dict], object, int, float]:
                                          "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
                                          *args.overrides])
         params = parameter_count(cfg.actor_rollout_ref.model.path)
-        rate_before = matmul_rate(_ranks(cfg), size=MATMUL_SIZE)
-        run_ppo(cfg)
+        before = matmul_rate(_ranks(cfg), seconds=LOOP_SECONDS, size=MATMUL_SIZE)
+        with _loop_after_each_step(_ranks(cfg)) as rates:
+            run_ppo(cfg)
         with open(f"{out}/metrics.jsonl") as f:
             rows = [json.loads(line) for line in f]
-    return rows, cfg, params, rate_before
+    return rows, cfg, params, {0: before, **rates}
+
+
+def phase_seconds(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per phase over ``rows`` (driver wall time; reference and old-logprob forwards run inside the
+    generation call are their worker seconds, taken out of generate's)."""
+    def avg(key: str) -> float:
+        return statistics.mean(r.get(key, 0.0) for r in rows)
+
+    phase_s = {name: avg(f"timing_s/{key}") for name, key in PHASES.items()}
+    for phase, name in (("reference", "ref"), ("old_log_prob", "old")):
+        seconds = avg(f"timing_worker_s/{name}_log_prob_in_generate")
+        if seconds:
+            phase_s[phase] = seconds
+            phase_s["generate"] -= seconds
+    return phase_s
+
+
+def step_flops(row: dict, cfg, params: int) -> dict[str, float]:
+    """:func:`phase_flops` of one metrics row (its prompt and response lengths and padding fractions)."""
+    sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    tokens = row.get("prompt_length/mean", 0.0) + row.get("response_length/mean", 0.0)
+    padding = {role: padding_fraction([row], role) for role in ("actor", "critic")}
+    return phase_flops(params, sequences, tokens, cfg.actor_rollout_ref.actor.ppo_epochs, padding,
+                       "timing_worker_s/ref_log_prob_in_update" in row)
+
+
+def matmul_fractions(rows: list[dict], cfg, params: int, rates: dict[int, float]) -> dict[str, list[float]]:
+    """Per phase, each row's achieved FLOP/s over the mean of the matmul loop's rates just before and just after
+    that step (``rates[step - 1]``, ``rates[step]``), row by row."""
+    fractions: dict[str, list[float]] = {}
+    for row in rows:
+        loop = statistics.mean((rates[row["step"] - 1], rates[row["step"]]))
+        phase_s = phase_seconds([row])
+        for phase, flops in step_flops(row, cfg, params).items():
+            if phase_s.get(phase):
+                fractions.setdefault(phase, []).append(flops / phase_s[phase] / loop)
+    return fractions
 
 
 def main() -> None:
@@ -108,45 +170,34 @@ def main() -> None:
         parser.error(f"--steps must exceed --warmup >= 1 (warm-up steps are not timed), got --steps {args.steps} "
                      f"--warmup {args.warmup}")
     load_before = os.getloadavg()
-    rows, cfg, params, rate_before = _run(args)
+    rows, cfg, params, rates = _run(args)
     steady = rows[args.warmup:] or rows
-    ranks = _ranks(cfg)
-    loop_rates = [rate_before, matmul_rate(ranks, size=MATMUL_SIZE)]
-    rate = statistics.mean(loop_rates)
 
     def avg(key: str) -> float:
         return statistics.mean(r.get(key, 0.0) for r in steady)
 
-    phase_s = {name: avg(f"timing_s/{key}") for name, key in PHASES.items()}
-    for phase, name in (("reference", "ref"), ("old_log_prob", "old")):  # forwards run in the generation call
-        seconds = avg(f"timing_worker_s/{name}_log_prob_in_generate")
-        if seconds:
-            phase_s[phase] = seconds
-            phase_s["generate"] -= seconds
-    sequences = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-    tokens = avg("prompt_length/mean") + avg("response_length/mean")
-    padding = {role: padding_fraction(steady, role) for role in ("actor", "critic")}
-    ref_in_update = any("timing_worker_s/ref_log_prob_in_update" in r for r in steady)
-    flops = phase_flops(params, sequences, tokens, cfg.actor_rollout_ref.actor.ppo_epochs, padding, ref_in_update)
-    achieved = {k: v / phase_s[k] / 1e9 for k, v in flops.items() if phase_s.get(k)}
+    phase_s = phase_seconds(steady)
+    flops = {k: statistics.mean(step_flops(r, cfg, params).get(k, 0.0) for r in steady)
+             for k in step_flops(steady[0], cfg, params)}
+    fractions = matmul_fractions(steady, cfg, params, rates)
     print(json.dumps({
         "benchmark": "step_profile", "model": cfg.actor_rollout_ref.model.path, "parameters": params,
         "overrides": args.overrides, "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()], "ranks": ranks,
+        "load_average_after": [round(x, 2) for x in os.getloadavg()], "ranks": _ranks(cfg),
         "steps_measured": len(steady), "step_s": avg("timing_s/step"), "phase_s": phase_s,
         "worker_s": {k.split("/", 1)[1]: avg(k) for k in steady[0] if k.startswith("timing_worker_s/")},
         "controller_overhead_frac": avg("timing_s/controller_overhead_frac"),
-        "ref_log_prob_in_update_s": avg("timing_worker_s/ref_log_prob_in_update") if ref_in_update else None,
+        "ref_log_prob_in_update_s": avg("timing_worker_s/ref_log_prob_in_update") or None,
         "tokens_per_s": avg("perf/throughput"),
         "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch
-        "padding_frac": padding,
+        "padding_frac": {role: padding_fraction(steady, role) for role in ("actor", "critic")},
         "update_s_by_step": {name: [r.get(f"timing_s/{PHASES[name]}", 0.0) for r in rows]  # warm-up shows here
                              for name in ("actor_update", "critic_update") if phase_s[name]},
         "phase_gflop": {k: v / 1e9 for k, v in flops.items()},
-        "phase_gflop_per_s": achieved,
-        "matmul_gflop_per_s": rate / 1e9, "matmul_size": MATMUL_SIZE,
-        "matmul_gflop_per_s_before_after": [r / 1e9 for r in loop_rates],
-        "phase_matmul_fraction": {k: v * 1e9 / rate for k, v in achieved.items()},
+        "phase_gflop_per_s": {k: v / phase_s[k] / 1e9 for k, v in flops.items() if phase_s.get(k)},
+        "matmul_size": MATMUL_SIZE, "matmul_gflop_per_s_by_step": [rates[s] / 1e9 for s in sorted(rates)],
+        "phase_matmul_fraction": {k: statistics.mean(v) for k, v in fractions.items()},
+        "phase_matmul_fraction_by_step": fractions,
     }))
 
 
