@@ -177,8 +177,8 @@ def main() -> None:
         return statistics.mean(r.get(key, 0.0) for r in steady)
 
     phase_s = phase_seconds(steady)
-    flops = {k: statistics.mean(step_flops(r, cfg, params).get(k, 0.0) for r in steady)
-             for k in step_flops(steady[0], cfg, params)}
+    per_step = [step_flops(r, cfg, params) for r in steady]
+    flops = {k: statistics.mean(f.get(k, 0.0) for f in per_step) for k in per_step[0]}
     fractions = matmul_fractions(steady, cfg, params, rates)
     print(json.dumps({
         "benchmark": "step_profile", "model": cfg.actor_rollout_ref.model.path, "parameters": params,
