@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from hybridflow.config import ConfigError, available_recipes, load_config
 from hybridflow.errors import TrainingInterrupted, UserError
 from hybridflow.mapping import plan_cli
+from hybridflow.utils import startup
 from hybridflow.utils.progress import terminal_logging
 
 EXIT_CONFIG_ERROR = 2  # same status as argparse's usage errors
@@ -67,6 +68,8 @@ def run_script(main: Callable[[], object]) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    startup.begin(from_process_start=True)
+    startup.mark("imports")
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as exc:
@@ -78,8 +81,11 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
+    startup.mark("config")
     from hybridflow.trainer.checkpoint import IncompatibleCheckpointError
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
+
+    startup.mark("driver imports")
 
     try:
         with terminal_logging():
@@ -135,9 +141,17 @@ def _run_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+def _rollout_name(name: str) -> str:
+    """``--rollout``'s type: a registered rollout backend (looked up when the flag is given, so building the parser
+    for ``--help`` imports no torch)."""
     from hybridflow.rollout import registered_rollouts  # the registry alone: vLLM is not imported
 
+    if name not in registered_rollouts():
+        raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {', '.join(registered_rollouts())})")
+    return name
+
+
+def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory (or builtin:NAME)")
     parser.add_argument("data", metavar="DATA.parquet", nargs="+", help="prompts in verl's parquet schema")
     parser.add_argument("--n", type=int, default=1, help="responses per prompt; > 1 adds a sampled mean@n")
@@ -152,7 +166,7 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled pass")
-    parser.add_argument("--rollout", choices=registered_rollouts(), default="hf",
+    parser.add_argument("--rollout", type=_rollout_name, default="hf", metavar="{hf,vllm,...}",
                         help="rollout backend, as actor_rollout_ref.rollout.name in training (vllm needs vLLM)")
     parser.add_argument("--output", metavar="FILE.jsonl", default=None, help="write every response and its score")
 

@@ -17,13 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 TYPO = "actor_rollout_ref.actor.ppo_mini_batchsize=4"
 
 
-def test_config_error_exits_2_quickly_without_traceback():
-    start = time.monotonic()
+def test_config_error_exits_2_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "hybridflow", "train", "recipes/quickstart.yaml", TYPO],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
-    assert elapsed < 20
     assert "actor_rollout_ref.actor.ppo_mini_batchsize" in proc.stderr
     assert "did you mean actor_rollout_ref.actor.ppo_mini_batch_size?" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -39,6 +36,17 @@ def test_config_error_does_not_import_ray(overrides):
             f"rc = main(['train', 'recipes/quickstart.yaml', *{overrides!r}]); print(rc, 'ray' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["train", "--help"], ["eval", "--help"]])
+def test_help_and_version_load_neither_torch_nor_ray(argv):
+    """``hybridflow --help`` / ``--version`` answer at once: the package and the parser import no torch, Ray or
+    transformers (each takes seconds to import)."""
+    code = ("import sys; from hybridflow.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as exc:\n    code = exc.code\n"
+            "print('HEAVY', code, sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-1] == "HEAVY 0 []", proc.stdout + proc.stderr
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config
 from hybridflow.trainer.driver import get_driver
 from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
-from hybridflow.utils.plot import write_run_curves
+from hybridflow.utils import startup
 from hybridflow.utils.progress import RunProgress
 from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
 
@@ -36,6 +36,7 @@ def run_ppo(config: Any) -> dict:
     """
     import ray
 
+    startup.begin_if_idle()
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     _check_start(config)
     total = total_training_steps(config, steps_per_epoch)
@@ -43,10 +44,12 @@ def run_ppo(config: Any) -> dict:
     start = _prepare_run_dir(config, checkpoints, total)
     if start is None:
         return {}
+    startup.mark("data")
     logger.info("starting Ray (or joining RAY_ADDRESS / trainer.ray_init.address)")
     started_ray = False
     try:
         started_ray = init_ray(config)
+        startup.mark("Ray")
         with worker_groups(config, total) as groups:
             return _train(config, groups, train_batches, val_data, total, start)
     except KeyboardInterrupt:  # before training started (Ray, workers); _train reports the steps it ran
@@ -137,6 +140,8 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     ), total, start)
     try:
         driver = get_driver(config.algorithm.driver).build(config, groups)
+        startup.mark("driver")
+        logger.info("%s", startup.summary())
         result = TrainLoop(config, driver, tracker).fit(train_batches, val_data, total)
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
@@ -145,5 +150,7 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
         tracker.finish()
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
     if config.trainer.plot_curves:
+        from hybridflow.utils.plot import write_run_curves  # matplotlib loads only here, at the end
+
         write_run_curves(config.trainer.default_local_dir)
     return result

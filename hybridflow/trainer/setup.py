@@ -22,6 +22,7 @@ from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
+from hybridflow.utils import startup
 from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
 from hybridflow.tools.config import prompt_tool_schemas
@@ -263,8 +264,10 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Ra
              RayClassWithInitArgs(spec.worker_class(), *spec.constructor_args(config, total_steps)), role)
             for role, spec in roles.items()], env=env)
         groups = dict(zip(roles, created))
+        startup.mark("worker processes")
         pending = {role: group.execute_all_async("init_model") for role, group in groups.items()}
         _wait_until_up(groups, pending, start)
+        startup.mark("models")
         yield groups
     finally:
         manager.remove()
