@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
 from hybridflow.data.dataset import RLHFDataset, collate_fn, compute_position_ids, load_rows
+from hybridflow.errors import DataError
 from hybridflow.protocol import DataProto
 
 WORDS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>",
@@ -271,3 +272,23 @@ def test_index_must_be_int():
     r["extra_info"] = {"index": "seven"}
     with pytest.raises(ValueError, match="row 0: extra_info.index"):
         RLHFDataset([r], make_tokenizer(), max_prompt_length=8)
+
+
+# ---------------------------------------------------------------- every over-long prompt at once
+def test_truncation_error_reports_every_offender_in_one_line():
+    # token counts with bos: 2, 7, 3, 9, 4 -> over 3: rows 1, 3 and 4; the longest is row 3 with 9
+    rows = [row("hi"), row("what is 2 + 3 ?"), row("hi hi"), row("what is 2 + 3 ? hi hi"), row("what is 2")]
+    with pytest.raises(DataError) as info:
+        RLHFDataset(rows, make_tokenizer(), max_prompt_length=3)
+    message = str(info.value)
+    assert info.value.row == 3 and "\n" not in message
+    assert message.startswith("row 3: prompt has 9 tokens > max_prompt_length=3")
+    for text in ("3 of 5 prompts", "data.max_prompt_length >= 9", "data.truncation (one of error, left, right, filter)"):
+        assert text in message
+
+
+def test_truncation_error_names_the_first_of_equally_long_prompts():
+    rows = [row("hi"), row("hi hi hi"), row("hi hi hi")]  # 2, 4, 4 tokens
+    with pytest.raises(DataError, match=r"^row 1: prompt has 4 tokens > max_prompt_length=2, .* 2 of 3 prompts"):
+        RLHFDataset(rows, make_tokenizer(), max_prompt_length=2)
+
