@@ -199,3 +199,48 @@ def test_eval_equals_validation(model_dir, data_file):
     assert metrics["val/score"] == pytest.approx(result["mean@1"]) == pytest.approx(4 / 6)
     for source in SOURCES:
         assert metrics[f"val/score/{source}"] == pytest.approx(result["by_data_source"][source]["mean@1"])
+
+
+def test_validation_runs_in_batches_of_train_batch_size_with_progress(model_dir, data_file, counting_rollout,
+                                                                      caplog):
+    """Without data.val_batch_size, validation generates data.train_batch_size prompts at a time (a progress line
+    per batch off a terminal) and scores exactly what one batch of all 6 prompts scores (greedy: 4 of 6 match)."""
+    from hybridflow.config import load_config
+    from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+    from hybridflow.protocol import DataProto
+    from hybridflow.rewards.batch import score_batch
+    from hybridflow.trainer.validate import validate
+    from hybridflow.workers.reward_worker import place_scores
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.pad_token_id = tokenizer.eos_token_id
+    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    sampling = types.SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=0.0,
+                                     top_p=1.0, top_k=-1, micro_batch_size=8)
+    actor = counting_rollout(model, sampling, eos_token_id=0, pad_token_id=0)
+
+    class Reward:
+        def compute_rm_score(self, rows):
+            scores = torch.tensor(score_batch(tokenizer, rows))
+            return DataProto.from_dict(tensors={"token_level_scores": place_scores(scores,
+                                                                                   rows.batch["response_mask"])})
+
+    dataset = RLHFDataset(load_rows(str(data_file)), tokenizer, 64)
+    val_data = collate_fn([dataset[i] for i in range(len(dataset))], 0)
+    small = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "critic.ppo_micro_batch_size_per_gpu=2", f"data.max_response_length={RESPONSE_LENGTH}"]
+    with caplog.at_level(logging.INFO, logger="hybridflow.utils.progress"):
+        chunked = validate(load_config("quickstart", small), actor, Reward(), val_data)
+    assert counting_rollout.calls == [4, 2]  # 6 prompts, 4 per batch
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation (greedy): ")]
+    assert len(lines) == 2  # off a terminal: one line at the first batch, one at the end
+    assert lines[0].startswith("validation (greedy): 4/6 prompts (67%)")
+    assert lines[1].startswith("validation (greedy): 6/6 prompts (100%)")
+    counting_rollout.calls.clear()
+    whole = validate(load_config("quickstart", [*small, "data.val_batch_size=6"]), actor, Reward(), val_data)
+    assert counting_rollout.calls == [6]
+    assert chunked == whole
+    assert chunked["val/score"] == pytest.approx(4 / 6)
+    assert chunked["val/score/test/exact-a"] == pytest.approx(3 / 4)
+    assert chunked["val/score/test/exact-b"] == pytest.approx(1 / 2)

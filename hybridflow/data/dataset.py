@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "filter")
 
-__all__ = ["load_rows", "RLHFDataset", "collate_fn", "compute_position_ids", "TRUNCATION_MODES"]
+__all__ = ["first_rows", "load_rows", "RLHFDataset", "collate_fn", "compute_position_ids", "TRUNCATION_MODES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -79,6 +79,17 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
             raise DataError(f"{path} has no rows")
         rows.extend(table.to_pylist())
     return rows
+
+
+def first_rows(rows: list[dict], limit: int, key: str = "max_samples") -> list[dict]:
+    """The first ``limit`` of ``rows`` (in load order; all of them for -1 or a limit over their number).
+
+    Raises:
+        ValueError: ``limit`` is 0 or below -1 (the message names ``key``, the option that set it).
+    """
+    if limit == 0 or limit < -1:
+        raise ValueError(f"{key} must be -1 (all rows) or >= 1, got {limit}")
+    return rows if limit == -1 else rows[:limit]
 
 
 def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any,

@@ -16,7 +16,7 @@ from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
-from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.errors import DataError, UserError
 from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import MissingTokenizerError, load_tokenizer
@@ -55,7 +55,8 @@ def init_ray(config: DictConfig) -> bool:
 
 def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: str) -> RLHFDataset:
     """The ``train`` or ``val`` prompts: ``data.<split>_files`` (parquet files, or ``builtin:NAME`` for a built-in
-    task's split, :mod:`hybridflow.data.builtin`; the built-in arith task when unset),
+    task's split, :mod:`hybridflow.data.builtin`; the built-in arith task when unset), cut to the first
+    ``data.<split>_max_samples`` rows (-1: all) before anything else reads them,
     tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
     not used, ``reward_model.enable`` with ``combine=model``, or is a user's ``reward_model.compute_score``).
 
@@ -80,6 +81,8 @@ def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: st
         if not files:
             rows = make_builtin_rows(split, size, data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
+        rows = first_rows(rows, data.train_max_samples if split == "train" else data.val_max_samples,
+                          f"data.{split}_max_samples")
         dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
                               tools=prompt_tool_schemas(config))
         rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")

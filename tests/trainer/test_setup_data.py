@@ -1,4 +1,4 @@
-"""``build_data`` / ``load_split`` in-process (no Ray): over-long prompts over several files, data and
+"""``build_data`` / ``load_split`` in-process (no Ray): row limits, over-long prompts over several files, data and
 tokenizer errors naming their config key.
 
 The model directory holds only a word-level tokenizer without a chat template, so a plain-string prompt of k words
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hybridflow.config import load_config
+from hybridflow.config import ConfigError, load_config
 from hybridflow.errors import DataError, UserError
 from hybridflow.trainer.setup import _tokenizer, build_data
 
@@ -41,6 +41,27 @@ def _config(tokenizer_dir, train, val, *extra):
     return load_config("quickstart", [f"actor_rollout_ref.model.path={tokenizer_dir}", f"data.train_files={train}",
                                       f"data.val_files={val}", "data.train_batch_size=1", "data.max_prompt_length=4", *SMALL,
                                       *extra])
+
+
+def test_max_samples_keep_the_first_rows_before_shuffling(tokenizer_dir, tmp_path):
+    train = _write(tmp_path / "train.parquet", ["one"] * 5)
+    val = _write(tmp_path / "val.parquet", ["two"] * 4)
+    batches, val_data, steps = build_data(_config(tokenizer_dir, train, val, "data.train_max_samples=3",
+                                                  "data.val_max_samples=2"))
+    assert steps == 3  # 3 rows kept, 1 prompt per step
+    it = batches(0)
+    seen = sorted(int(next(it).non_tensor_batch["index"][0]) for _ in range(steps))
+    assert seen == [0, 1, 2]  # one (shuffled) epoch over the first 3 rows only
+    assert val_data.non_tensor_batch["index"].tolist() == [0, 1]
+    _, all_val, all_steps = build_data(_config(tokenizer_dir, train, val))  # -1 (default): every row
+    assert (all_steps, len(all_val)) == (5, 4)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_max_samples_zero_or_below_minus_one_is_a_config_error(value):
+    with pytest.raises(ConfigError) as info:
+        load_config("quickstart", [f"data.val_max_samples={value}"])
+    assert info.value.problems == [f"data.val_max_samples: must be -1 (all rows) or >= 1, got {value}"]
 
 
 def test_over_long_prompts_of_several_files_are_one_line_naming_the_longest(tokenizer_dir, tmp_path):
