@@ -244,3 +244,93 @@ def test_validation_runs_in_batches_of_train_batch_size_with_progress(model_dir,
     assert chunked["val/score"] == pytest.approx(4 / 6)
     assert chunked["val/score/test/exact-a"] == pytest.approx(3 / 4)
     assert chunked["val/score/test/exact-b"] == pytest.approx(1 / 2)
+
+
+USER_REWARD = '''
+def by_truth(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(ground_truth)) + (0.5 if data_source == "nobody/registered" else 0.0)
+'''
+PLUGIN = '''
+from hybridflow.rewards import register_reward
+
+@register_reward("test/plugin-source")
+def seven(solution_str, ground_truth, extra_info=None):
+    return 7.0
+'''
+
+
+@pytest.fixture
+def unregistered_data(tmp_path):
+    """3 prompts of a data source no reward is registered for, ground truths of 1, 2 and 3 characters."""
+    rows = [{"data_source": "nobody/registered", "prompt": "what is one", "reward_model": {"ground_truth": truth},
+             "extra_info": {"index": i}} for i, truth in enumerate(["a", "bb", "ccc"])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "unregistered.parquet")
+    return tmp_path / "unregistered.parquet"
+
+
+def test_cli_compute_score_and_max_samples(model_dir, unregistered_data, tmp_path, capsys):
+    (tmp_path / "my_reward.py").write_text(USER_REWARD)
+    base = ["eval", str(model_dir), str(unregistered_data), "--max-response-length", "2"]
+    assert cli_main(base) == 1  # the rule rewards know no such data source
+    assert "no reward registered for data_source 'nobody/registered'" in capsys.readouterr().err
+    assert cli_main([*base, "--compute-score", f"{tmp_path / 'my_reward.py'}:by_truth"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 3 and result["mean@1"] == pytest.approx((1 + 2 + 3) / 3 + 0.5)
+    assert cli_main([*base, "--compute-score", f"{tmp_path / 'my_reward.py'}:by_truth", "--max-samples", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 2 and result["mean@1"] == pytest.approx((1 + 2) / 2 + 0.5)
+    assert cli_main([*base, "--max-samples", "0"]) == 1
+    assert capsys.readouterr().err == "error: max_samples must be -1 (all rows) or >= 1, got 0\n"
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    import sys
+
+    path = tmp_path / "reward_plugin.py"
+    path.write_text(PLUGIN)
+    yield path
+    if "test/plugin-source" in REWARD_REGISTRY:
+        REWARD_REGISTRY.pop("test/plugin-source")
+    sys.modules.pop("hybridflow_plugin_reward_plugin", None)
+
+
+def test_plugins_register_a_reward_for_eval(model_dir, plugin_file, tmp_path):
+    rows = [{"data_source": "test/plugin-source", "prompt": "the cat", "reward_model": {"ground_truth": "x"}}] * 2
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "plugin.parquet")
+    result = evaluate(str(model_dir), str(tmp_path / "plugin.parquet"), max_response_length=2,
+                      plugins=[str(plugin_file)])
+    assert result["mean@1"] == 7.0 and result["by_data_source"]["test/plugin-source"]["num_prompts"] == 2
+
+
+def test_cli_ctrl_c_keeps_the_partial_output(model_dir, data_file, tmp_path, capsys, monkeypatch):
+    calls = []
+    generate = HFRollout.generate_sequences
+
+    def interrupted_after_one_batch(self, prompts):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return generate(self, prompts)
+
+    monkeypatch.setattr(HFRollout, "generate_sequences", interrupted_after_one_batch)
+    out = tmp_path / "partial.jsonl"
+    argv = ["eval", str(model_dir), str(data_file), "--batch-size", "4", "--max-response-length",
+            str(RESPONSE_LENGTH), "--output", str(out)]
+    assert cli_main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"interrupted: scored 4/6 prompts in pass greedy; the partial output (4 responses) is "
+                            f"in {out}\n")
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in lines] == [0, 1, 2, 3]
+    assert [r["score"] for r in lines] == [1.0, 1.0, 1.0, 0.0]  # the first 4 prompts: 3 match their reference
+
+
+def test_cli_model_dir_without_tokenizer_files(data_file, tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}\n')
+    assert cli_main(["eval", str(tmp_path), str(data_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: no tokenizer files in {tmp_path}: expected tokenizer.json")
+    assert "tokenizer_config.json" in err and err.endswith("it holds config.json\n")
+    assert "sentencepiece" not in err
