@@ -7,7 +7,9 @@ column, an empty file, an over-long prompt, an unknown ``data_source``) or a bad
 and exits with 1, before Ray starts; Ctrl-C prints one line (last complete step, latest checkpoint, the command
 that resumes) and exits with 130. A config that cannot resume the checkpoint in the run directory
 (``IncompatibleCheckpointError``, found before Ray starts) prints one line and exits with 2. Any other exception is a bug and keeps its
-traceback. :func:`run_script` gives the benchmark scripts the same one-line reports.
+traceback. ``eval``: bad data, a bad path or a reward option that does not load prints ``error: <message>`` and
+exits with 1; Ctrl-C prints one line (prompts scored, where the partial output is) and exits with 130.
+:func:`run_script` gives the benchmark scripts the same one-line reports.
 """
 
 from __future__ import annotations
@@ -169,11 +171,22 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollout", type=_rollout_name, default="hf", metavar="{hf,vllm,...}",
                         help="rollout backend, as actor_rollout_ref.rollout.name in training (vllm needs vLLM)")
     parser.add_argument("--output", metavar="FILE.jsonl", default=None, help="write every response and its score")
+    parser.add_argument("--max-samples", type=int, default=-1, metavar="N",
+                        help="score the first N prompt rows only (-1: all), as data.val_max_samples")
+    parser.add_argument("--compute-score", default="default", metavar="FILE.py:FN|MODULE:FN",
+                        help="scoring function fn(data_source, solution_str, ground_truth, extra_info), as "
+                             "reward_model.compute_score (default: the reward registered for each data_source)")
+    parser.add_argument("--error-score", type=float, default=None,
+                        help="score of a response whose scoring function raises, as reward_model.error_score")
+    parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
+                        help="a module or .py file to import first (registers rewards, rollouts), as an entry of "
+                             "trainer.plugins; repeat for several")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     import json
 
+    from hybridflow.errors import EvalInterrupted
     from hybridflow.evaluation import evaluate  # torch and the model load only from here on
 
     try:
@@ -181,11 +194,15 @@ def _run_eval(args: argparse.Namespace) -> int:
             args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             batch_size=args.batch_size, max_prompt_length=args.max_prompt_length, truncation=args.truncation,
             max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
-            output=args.output, rollout=args.rollout,
+            output=args.output, rollout=args.rollout, compute_score=args.compute_score,
+            error_score=args.error_score, plugins=args.plugins, max_samples=args.max_samples,
         )
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, *USER_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_USER_ERROR
+    except EvalInterrupted as exc:  # Ctrl-C: one line, the partial output kept
+        print(exc, file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(json.dumps(result))
     return 0
 
@@ -236,8 +253,8 @@ COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with a recipe and key=value overrides", _add_train_arguments, _run_train),
     "data": Command("convert a public dataset (gsm8k, math) to parquet in verl's schema", _add_data_arguments,
                     _run_data),
-    "eval": Command("score a model on parquet prompts with the rule rewards, without training", _add_eval_arguments,
-                    _run_eval),
+    "eval": Command("score a model on parquet prompts with the rule rewards (or --compute-score), without training",
+                    _add_eval_arguments, _run_eval),
     "plan": Command(plan_cli.HELP, plan_cli.add_arguments, plan_cli.run),
     "export": Command("write a checkpoint's actor as a Hugging Face model directory", _add_export_arguments,
                       _run_export),

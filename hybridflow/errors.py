@@ -43,3 +43,22 @@ class TrainingInterrupted(Exception):
     def __init__(self, step: int, total: int, checkpoint: Optional[str]) -> None:
         super().__init__(f"interrupted after step {step}/{total}; latest complete checkpoint: {checkpoint or 'none'}")
         self.step, self.total, self.checkpoint = step, total, checkpoint
+
+
+class EvalInterrupted(KeyboardInterrupt):
+    """``hybridflow eval`` was stopped by Ctrl-C; a ``KeyboardInterrupt``, so callers that stop on Ctrl-C still
+    stop. ``str(error)`` is the one line the command line prints.
+
+    Args:
+        scored: pass name -> prompts scored in it so far (passes in run order).
+        total: prompts per pass.
+        output: the JSONL file that holds the responses scored so far, or None (none was asked for).
+        written: responses written to ``output``.
+    """
+
+    def __init__(self, scored: dict[str, int], total: int, output: Optional[str], written: int) -> None:
+        passes = ", ".join(f"{count}/{total} prompts in pass {name}" for name, count in scored.items())
+        where = (f"the partial output ({written} responses) is in {output}" if output is not None
+                 else "no --output was given, so nothing was written")
+        super().__init__(f"interrupted: scored {passes}; {where}")
+        self.scored, self.total, self.output, self.written = scored, total, output, written

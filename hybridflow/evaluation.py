@@ -6,8 +6,11 @@ rule, the whole set collated once as validation does), the rollout backend looke
 registry and built with ``from_config`` as the actor worker builds it (``hf``, or ``vllm`` with
 ``rollout="vllm"``), the validation loop itself (:mod:`hybridflow.rewards.validation`, which validation in training
 runs too: same batching, sampling overrides, seed and averages) and scores by :func:`hybridflow.rewards.batch.score_batch` (what the
-rule-reward worker runs). So eval and validation give the same numbers for the same model, data and backend.
-One process, no Ray.
+rule-reward worker runs), with the training run's reward options: a user ``compute_score`` function and
+``plugins`` loaded by the same functions as ``reward_model.compute_score`` and ``trainer.plugins``
+(:func:`reward_scorer`). So eval and validation give the same numbers for the same model, data and backend.
+One process, no Ray. Ctrl-C stops it with :class:`~hybridflow.errors.EvalInterrupted`; the responses scored so far
+stay in the output file.
 
 Metrics (verl's names for the same thing in validation):
 
@@ -27,22 +30,24 @@ import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.distributed import resolve_dtype
+from hybridflow.errors import EvalInterrupted
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
-from hybridflow.rewards import check_data_sources
+from hybridflow.plugins import import_plugins, resolve_plugins
+from hybridflow.rewards import check_data_sources, load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rollout import BaseRollout, get_rollout_class
 from hybridflow.rewards.validation import mean_by_source, score_passes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_rollout", "eval_passes", "evaluate", "prompt_dataset", "rollout_config"]
+__all__ = ["build_rollout", "eval_passes", "evaluate", "prompt_dataset", "reward_scorer", "rollout_config"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -61,9 +66,11 @@ def evaluate(
     top_p: float = 1.0, top_k: int = -1, batch_size: int = 64, max_prompt_length: Optional[int] = None,
     max_response_length: int = 512, truncation: str = "error", dtype: str = "auto", device: str = "auto",
     seed: int = 0, output: Optional[PathLike] = None, prompt_key: str = "prompt", trust_remote_code: bool = False,
-    rollout: str = "hf",
+    rollout: str = "hf", compute_score: str = "default", error_score: Optional[float] = None,
+    plugins: Sequence[str] = (), max_samples: int = -1,
 ) -> dict:
-    """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards.
+    """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards or a user
+    scoring function.
 
     Args:
         model_path: local Hugging Face causal-LM directory (tokenizer in the same directory), or ``builtin:NAME``.
@@ -83,6 +90,9 @@ def evaluate(
             (0..n-1 within its prompt).
         prompt_key, trust_remote_code: the row key of the prompt; passed to the tokenizer and model loaders.
         rollout: the rollout backend's registered name (``hf``, ``vllm``), as ``actor_rollout_ref.rollout.name``.
+        compute_score, error_score, plugins: as ``reward_model.compute_score``, ``reward_model.error_score`` and
+            ``trainer.plugins`` in training (:func:`reward_scorer`).
+        max_samples: keep the first N prompt rows of ``data_files`` (-1: all), as ``data.val_max_samples``.
     Progress: a bar with ETA per pass on a terminal, plain lines otherwise (:mod:`hybridflow.utils.progress`).
 
     Returns:
@@ -95,6 +105,10 @@ def evaluate(
             registered ones).
         FileNotFoundError: the model directory or a data file does not exist.
         UnknownNameError: (a ``KeyError``) ``rollout`` is not a registered backend (the message lists them).
+        UserError: a plugin cannot be imported; ``MissingTokenizerError`` (also a ``ValueError``): the model
+            directory holds no tokenizer files.
+        EvalInterrupted: (a ``KeyboardInterrupt``) Ctrl-C during generation; the responses scored so far are in
+            ``output``.
     """
     if n < 1 or batch_size < 1:
         raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
@@ -104,7 +118,10 @@ def evaluate(
     files = [os.fspath(f) for f in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     tokenizer = load_tokenizer(model_path, trust_remote_code)
-    dataset = prompt_dataset(load_rows(files, prompt_key), tokenizer, max_prompt_length, prompt_key, truncation)
+    score = reward_scorer(tokenizer, compute_score, error_score, plugins)  # before the data check and the model
+    rows = first_rows(load_rows(files, prompt_key), max_samples, "max_samples")
+    dataset = prompt_dataset(rows, tokenizer, max_prompt_length, prompt_key, truncation,
+                             check_sources=compute_score == "default")
     if len(dataset) == 0:
         raise ValueError(f"no prompts to evaluate in {files}")
     data = collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
@@ -113,28 +130,52 @@ def evaluate(
                               tokenizer, torch_dtype, device, trust_remote_code,
                               max_model_len=data.batch["input_ids"].shape[1] + max_response_length)
     passes = eval_passes(n, temperature, top_p, top_k)
-    results = _run_passes(generator, tokenizer, data, passes, batch_size, seed, output)
+    results = _run_passes(generator, tokenizer, score, data, passes, batch_size, seed, output)
     result: dict[str, Any] = {"model": model_path, "data": files, "num_prompts": len(dataset),
                               "num_filtered": dataset.num_filtered,
                               **_summarise(results, passes, data.non_tensor_batch["data_source"].tolist())}
     result["settings"] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
                           "max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
-                          "dtype": str(torch_dtype).replace("torch.", ""), "device": device, "rollout": rollout}
+                          "dtype": str(torch_dtype).replace("torch.", ""), "device": device, "rollout": rollout,
+                          "compute_score": compute_score, "max_samples": max_samples}
     result["seconds"] = time.perf_counter() - start
     return result
 
 
 def prompt_dataset(rows: list[dict], tokenizer: Any, max_prompt_length: Optional[int], prompt_key: str = "prompt",
-                   truncation: str = "error") -> RLHFDataset:
+                   truncation: str = "error", check_sources: bool = True) -> RLHFDataset:
     """The prompts of ``rows`` as training reads them (:class:`RLHFDataset`: chat template, truncation), after
-    checking that every row's ``data_source`` has a reward (before any model loads).
+    checking (with ``check_sources``: the rule rewards score them) that every row's ``data_source`` has a reward
+    (before any model loads).
 
     Raises:
         DataError: a bad row, or a ``data_source`` without a registered reward.
     """
     dataset = RLHFDataset(rows, tokenizer, max_prompt_length or sys.maxsize, prompt_key, truncation)
-    check_data_sources(rows)
+    if check_sources:
+        check_data_sources(rows)
     return dataset
+
+
+def reward_scorer(tokenizer: Any, compute_score: str = "default", error_score: Optional[float] = None,
+                  plugins: Sequence[str] = ()) -> Callable[[DataProto], list[float]]:
+    """N scored responses -> N floats, as training scores them: ``plugins`` imported as the config loader imports
+    ``trainer.plugins`` (:func:`hybridflow.plugins.import_plugins`, file paths made absolute), then
+    ``compute_score`` loaded as the reward worker loads ``reward_model.compute_score`` (``default``: the reward
+    registered for each row's ``data_source``; else ``path/file.py:fn`` or ``module:fn``,
+    :func:`hybridflow.rewards.load_compute_score`) and :func:`score_batch` with ``error_score``.
+
+    Raises:
+        UserError: a plugin cannot be imported (one line naming it).
+        ValueError: ``compute_score`` names no importable function (one line naming it).
+    """
+    import_plugins(resolve_plugins(plugins))
+    fn = None if compute_score == "default" else load_compute_score(compute_score)  # None: the registry
+
+    def score(rows: DataProto) -> list[float]:
+        return score_batch(tokenizer, rows, error_score=error_score, compute_score=fn)
+
+    return score
 
 
 def rollout_config(max_response_length: int, batch_size: int, top_p: float = 1.0,
@@ -144,19 +185,33 @@ def rollout_config(max_response_length: int, batch_size: int, top_p: float = 1.0
                            top_k=top_k, micro_batch_size=batch_size, tensor_model_parallel_size=1)
 
 
-def _run_passes(generator: BaseRollout, tokenizer: Any, data: DataProto, passes: dict[str, dict], batch_size: int,
-                seed: int, output: Optional[PathLike]) -> dict[str, tuple[list[float], list[str]]]:
+def _run_passes(generator: BaseRollout, tokenizer: Any, score: Callable[[DataProto], list[float]], data: DataProto,
+                passes: dict[str, dict], batch_size: int, seed: int,
+                output: Optional[PathLike]) -> dict[str, tuple[list[float], list[str]]]:
     """Generate and score every pass over ``data`` (the validation loop, :func:`score_passes`); writes each response
-    to ``output`` when set. Returns pass name -> (scores, data sources) of its responses."""
-    out = open(output, "w", encoding="utf-8") if output else None
+    to ``output`` when set, flushed per batch. Returns pass name -> (scores, data sources) of its responses.
 
-    def write(name: str, rows: DataProto, scores: list[float]) -> None:
-        _write_responses(out, tokenizer, rows, scores, name, passes[name]["n"])
+    Raises:
+        EvalInterrupted: Ctrl-C (``KeyboardInterrupt``); it counts the prompts scored per pass and the responses
+            written to ``output``, which keeps them.
+    """
+    out = open(output, "w", encoding="utf-8") if output else None
+    scored = {name: 0 for name in passes}  # prompts scored per pass
+    written = 0
+
+    def on_chunk(name: str, rows: DataProto, scores: list[float]) -> None:
+        nonlocal written
+        if out is not None:
+            _write_responses(out, tokenizer, rows, scores, name, passes[name]["n"])
+            out.flush()
+            written += len(rows)
+        scored[name] += len(rows) // passes[name]["n"]
 
     try:
-        return score_passes(generator.generate_sequences, lambda r: score_batch(tokenizer, r), data, passes,
-                            batch_size, seed, lambda name: f"eval ({name}, mean@{passes[name]['n']})",
-                            write if out is not None else None)
+        return score_passes(generator.generate_sequences, score, data, passes, batch_size, seed,
+                            lambda name: f"eval ({name}, mean@{passes[name]['n']})", on_chunk)
+    except KeyboardInterrupt:
+        raise EvalInterrupted(scored, len(data), None if output is None else os.fspath(output), written) from None
     finally:
         if out is not None:
             out.close()

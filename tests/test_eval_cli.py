@@ -199,3 +199,138 @@ def test_eval_equals_validation(model_dir, data_file):
     assert metrics["val/score"] == pytest.approx(result["mean@1"]) == pytest.approx(4 / 6)
     for source in SOURCES:
         assert metrics[f"val/score/{source}"] == pytest.approx(result["by_data_source"][source]["mean@1"])
+
+
+def test_validation_runs_in_batches_of_train_batch_size_with_progress(model_dir, data_file, counting_rollout,
+                                                                      caplog):
+    """Without data.val_batch_size, validation generates data.train_batch_size prompts at a time (a progress line
+    per batch off a terminal) and scores exactly what one batch of all 6 prompts scores (greedy: 4 of 6 match)."""
+    from hybridflow.config import load_config
+    from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+    from hybridflow.protocol import DataProto
+    from hybridflow.rewards.batch import score_batch
+    from hybridflow.trainer.validate import validate
+    from hybridflow.workers.reward_worker import place_scores
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tokenizer.pad_token_id = tokenizer.eos_token_id
+    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    sampling = types.SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=0.0,
+                                     top_p=1.0, top_k=-1, micro_batch_size=8)
+    actor = counting_rollout(model, sampling, eos_token_id=0, pad_token_id=0)
+
+    class Reward:
+        def compute_rm_score(self, rows):
+            scores = torch.tensor(score_batch(tokenizer, rows))
+            return DataProto.from_dict(tensors={"token_level_scores": place_scores(scores,
+                                                                                   rows.batch["response_mask"])})
+
+    dataset = RLHFDataset(load_rows(str(data_file)), tokenizer, 64)
+    val_data = collate_fn([dataset[i] for i in range(len(dataset))], 0)
+    small = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+             "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+             "critic.ppo_micro_batch_size_per_gpu=2", f"data.max_response_length={RESPONSE_LENGTH}"]
+    with caplog.at_level(logging.INFO, logger="hybridflow.utils.progress"):
+        chunked = validate(load_config("quickstart", small), actor, Reward(), val_data)
+    assert counting_rollout.calls == [4, 2]  # 6 prompts, 4 per batch
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation (greedy): ")]
+    assert len(lines) == 2  # off a terminal: one line at the first batch, one at the end
+    assert lines[0].startswith("validation (greedy): 4/6 prompts (67%)")
+    assert lines[1].startswith("validation (greedy): 6/6 prompts (100%)")
+    counting_rollout.calls.clear()
+    whole = validate(load_config("quickstart", [*small, "data.val_batch_size=6"]), actor, Reward(), val_data)
+    assert counting_rollout.calls == [6]
+    assert chunked == whole
+    assert chunked["val/score"] == pytest.approx(4 / 6)
+    assert chunked["val/score/test/exact-a"] == pytest.approx(3 / 4)
+    assert chunked["val/score/test/exact-b"] == pytest.approx(1 / 2)
+
+
+USER_REWARD = '''
+def by_truth(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(ground_truth)) + (0.5 if data_source == "nobody/registered" else 0.0)
+'''
+PLUGIN = '''
+from hybridflow.rewards import register_reward
+
+@register_reward("test/plugin-source")
+def seven(solution_str, ground_truth, extra_info=None):
+    return 7.0
+'''
+
+
+@pytest.fixture
+def unregistered_data(tmp_path):
+    """3 prompts of a data source no reward is registered for, ground truths of 1, 2 and 3 characters."""
+    rows = [{"data_source": "nobody/registered", "prompt": "what is one", "reward_model": {"ground_truth": truth},
+             "extra_info": {"index": i}} for i, truth in enumerate(["a", "bb", "ccc"])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "unregistered.parquet")
+    return tmp_path / "unregistered.parquet"
+
+
+def test_cli_compute_score_and_max_samples(model_dir, unregistered_data, tmp_path, capsys):
+    (tmp_path / "my_reward.py").write_text(USER_REWARD)
+    base = ["eval", str(model_dir), str(unregistered_data), "--max-response-length", "2"]
+    assert cli_main(base) == 1  # the rule rewards know no such data source
+    assert "no reward registered for data_source 'nobody/registered'" in capsys.readouterr().err
+    assert cli_main([*base, "--compute-score", f"{tmp_path / 'my_reward.py'}:by_truth"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 3 and result["mean@1"] == pytest.approx((1 + 2 + 3) / 3 + 0.5)
+    assert cli_main([*base, "--compute-score", f"{tmp_path / 'my_reward.py'}:by_truth", "--max-samples", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 2 and result["mean@1"] == pytest.approx((1 + 2) / 2 + 0.5)
+    assert cli_main([*base, "--max-samples", "0"]) == 1
+    assert capsys.readouterr().err == "error: max_samples must be -1 (all rows) or >= 1, got 0\n"
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    import sys
+
+    path = tmp_path / "reward_plugin.py"
+    path.write_text(PLUGIN)
+    yield path
+    if "test/plugin-source" in REWARD_REGISTRY:
+        REWARD_REGISTRY.pop("test/plugin-source")
+    sys.modules.pop("hybridflow_plugin_reward_plugin", None)
+
+
+def test_plugins_register_a_reward_for_eval(model_dir, plugin_file, tmp_path):
+    rows = [{"data_source": "test/plugin-source", "prompt": "the cat", "reward_model": {"ground_truth": "x"}}] * 2
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "plugin.parquet")
+    result = evaluate(str(model_dir), str(tmp_path / "plugin.parquet"), max_response_length=2,
+                      plugins=[str(plugin_file)])
+    assert result["mean@1"] == 7.0 and result["by_data_source"]["test/plugin-source"]["num_prompts"] == 2
+
+
+def test_cli_ctrl_c_keeps_the_partial_output(model_dir, data_file, tmp_path, capsys, monkeypatch):
+    calls = []
+    generate = HFRollout.generate_sequences
+
+    def interrupted_after_one_batch(self, prompts):
+        calls.append(len(prompts))
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return generate(self, prompts)
+
+    monkeypatch.setattr(HFRollout, "generate_sequences", interrupted_after_one_batch)
+    out = tmp_path / "partial.jsonl"
+    argv = ["eval", str(model_dir), str(data_file), "--batch-size", "4", "--max-response-length",
+            str(RESPONSE_LENGTH), "--output", str(out)]
+    assert cli_main(argv) == 130
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"interrupted: scored 4/6 prompts in pass greedy; the partial output (4 responses) is "
+                            f"in {out}\n")
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in lines] == [0, 1, 2, 3]
+    assert [r["score"] for r in lines] == [1.0, 1.0, 1.0, 0.0]  # the first 4 prompts: 3 match their reference
+
+
+def test_cli_model_dir_without_tokenizer_files(data_file, tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}\n')
+    assert cli_main(["eval", str(tmp_path), str(data_file)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: no tokenizer files in {tmp_path}: expected tokenizer.json")
+    assert "tokenizer_config.json" in err and err.endswith("it holds config.json\n")
+    assert "sentencepiece" not in err

@@ -122,6 +122,7 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (_POSITIVE, lambda v: v >= 1, "must be >= 1"),
     (_POSITIVE_OR_NONE, lambda v: v is None or v >= 1, "must be null or >= 1"),
     (_POSITIVE_OR_DISABLED, lambda v: v == -1 or v >= 1, "must be -1 (disabled) or >= 1"),
+    (("data.train_max_samples", "data.val_max_samples"), lambda v: v == -1 or v >= 1, "must be -1 (all rows) or >= 1"),
     (_FRACTIONS, lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]"),
     (_PROBABILITIES, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
     (("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"), lambda v: v > 0, "must be > 0"),

@@ -258,7 +258,10 @@ class DataConfig:
     max_response_length: int = 32  # tokens generated per response
     truncation: str = "error"  # error | left | right | filter
     train_batch_size: int = 32  # prompts per training step
-    val_batch_size: Optional[int] = None  # prompts per validation batch; None means the whole set
+    # prompts per validation generate-and-score batch (each with its progress line); None: data.train_batch_size
+    val_batch_size: Optional[int] = None
+    train_max_samples: int = -1  # keep the first N train rows after loading, before shuffling; -1 = all (verl's key)
+    val_max_samples: int = -1  # keep the first N validation rows after loading; -1 = all (verl's key)
     shuffle: bool = True
     seed: int = 1  # data order seed
 

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right", "filter")
 
-__all__ = ["load_rows", "RLHFDataset", "collate_fn", "compute_position_ids", "TRUNCATION_MODES"]
+__all__ = ["first_rows", "load_rows", "RLHFDataset", "collate_fn", "compute_position_ids", "TRUNCATION_MODES"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -62,12 +62,12 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
     """
     paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     if not paths:
-        raise ValueError("load_rows: no parquet files given")
+        raise ValueError("no parquet files given")
     rows: list[dict] = []
     for path in paths:
         path = os.fspath(path)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"load_rows: parquet file not found: {path}")
+            raise FileNotFoundError(f"parquet file not found: {path}")
         try:
             table = pq.read_table(path)
         except pa.ArrowException as exc:  # not parquet, or damaged
@@ -79,6 +79,17 @@ def load_rows(files: Union[PathLike, Sequence[PathLike]], prompt_key: str = "pro
             raise DataError(f"{path} has no rows")
         rows.extend(table.to_pylist())
     return rows
+
+
+def first_rows(rows: list[dict], limit: int, key: str = "max_samples") -> list[dict]:
+    """The first ``limit`` of ``rows`` (in load order; all of them for -1 or a limit over their number).
+
+    Raises:
+        ValueError: ``limit`` is 0 or below -1 (the message names ``key``, the option that set it).
+    """
+    if limit == 0 or limit < -1:
+        raise ValueError(f"{key} must be -1 (all rows) or >= 1, got {limit}")
+    return rows if limit == -1 else rows[:limit]
 
 
 def _prompt_text(row: dict, i: int, prompt_key: str, tokenizer: Any,
@@ -138,8 +149,10 @@ class RLHFDataset(Dataset):
         ValueError: an unknown ``truncation`` or ``max_prompt_length < 1``.
         DataError: a malformed row (missing prompt key, prompt of the wrong type, missing
             ``reward_model.ground_truth``, non-str ``data_source``, prompt with no tokens) or, with
-            ``truncation="error"``, an over-long prompt; the message names the row index and ``error.row`` holds
-            it. With ``"filter"``, also when every row is filtered out.
+            ``truncation="error"``, over-long prompts, all reported in one error naming the longest one's row
+            (``error.row``), its length, how many rows are over the limit and the config keys to change. The
+            message of a malformed row names the row index and ``error.row`` holds it. With ``"filter"``, also
+            when every row is filtered out.
 
     ``self[i]`` is a dict: ``input_ids`` (1-D ``torch.long``, unpadded, possibly truncated), ``raw_prompt``
     (the prompt text before tokenization and truncation, after the chat template, without the prepended BOS),
@@ -191,19 +204,18 @@ class RLHFDataset(Dataset):
 
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         bos_id = getattr(tokenizer, "bos_token_id", None)
+        ids_per_row = [([bos_id] if bos and bos_id is not None else []) + list(ids)
+                       for ids, bos in zip(encoded, add_bos)]
+        for i, ids in enumerate(ids_per_row):
+            if not ids:
+                raise DataError("prompt has no tokens", row=i)
+        if truncation == "error":
+            _check_lengths(ids_per_row, max_prompt_length)
         self._records: list[dict] = []
         self._input_ids: list[torch.Tensor] = []
         self.num_filtered = 0
-        for i, (ids, bos, record) in enumerate(zip(encoded, add_bos, records)):
-            ids = ([bos_id] if bos and bos_id is not None else []) + list(ids)
-            if not ids:
-                raise DataError("prompt has no tokens", row=i)
+        for ids, record in zip(ids_per_row, records):
             if len(ids) > max_prompt_length:
-                if truncation == "error":
-                    raise DataError(
-                        f"prompt has {len(ids)} tokens > max_prompt_length={max_prompt_length} "
-                        "(set truncation to 'left', 'right' or 'filter')", row=i
-                    )
                 if truncation == "filter":
                     self.num_filtered += 1
                     continue
@@ -211,14 +223,11 @@ class RLHFDataset(Dataset):
             self._records.append(record)
             self._input_ids.append(torch.tensor(ids, dtype=torch.long))
         if self.num_filtered:
-            logger.warning(
-                "RLHFDataset: filtered out %d of %d rows longer than max_prompt_length=%d",
-                self.num_filtered, len(records), max_prompt_length,
-            )
+            logger.warning("filtered out %d of %d rows longer than data.max_prompt_length=%d (data.truncation=filter)",
+                           self.num_filtered, len(records), max_prompt_length)
             if not self._records:
-                raise DataError(
-                    f"RLHFDataset: all {len(records)} rows are longer than max_prompt_length={max_prompt_length}"
-                )
+                raise DataError(f"all {len(records)} rows are longer than data.max_prompt_length={max_prompt_length} "
+                                "and data.truncation=filter dropped them all; raise data.max_prompt_length")
 
     def __len__(self) -> int:
         return len(self._records)
@@ -233,6 +242,26 @@ class RLHFDataset(Dataset):
             "extra_info": copy.deepcopy(record["extra_info"]),
             "index": record["index"],
         }
+
+
+def _check_lengths(ids_per_row: Sequence[list[int]], max_prompt_length: int) -> None:
+    """With ``truncation="error"``: every over-long prompt reported at once, in one line.
+
+    Raises:
+        DataError: some prompts have more than ``max_prompt_length`` tokens; ``error.row`` is the longest one's
+            index (the first of equal ones) and the message gives how many rows are over, the longest length and
+            the config keys that fix it (``data.max_prompt_length``, ``data.truncation`` and its values).
+    """
+    lengths = [len(ids) for ids in ids_per_row]
+    over = sum(n > max_prompt_length for n in lengths)
+    if not over:
+        return
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    modes = ", ".join(TRUNCATION_MODES)
+    raise DataError(f"prompt has {lengths[longest]} tokens > max_prompt_length={max_prompt_length}, the longest of "
+                    f"{over} of {len(lengths)} prompts over the limit; set data.max_prompt_length >= "
+                    f"{lengths[longest]}, or data.truncation (one of {modes}) to left, right or filter",
+                    row=longest)
 
 
 def compute_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,21 @@ import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
                           GenerationConfig)
 
+from hybridflow.errors import UserError
 from hybridflow.models.builtin import resolve_model_path
 
 logger = logging.getLogger(__name__)
+
+# files one of which holds a tokenizer's vocabulary (a fast tokenizer's tokenizer.json, or a slow tokenizer's
+# vocabulary next to tokenizer_config.json); also any *.model (sentencepiece) or *.tiktoken file
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+EXPECTED_TOKENIZER_FILES = ("tokenizer.json (with tokenizer_config.json), or a vocabulary (tokenizer.model, "
+                            "vocab.json + merges.txt, vocab.txt) with tokenizer_config.json")
+
+
+class MissingTokenizerError(UserError, ValueError):
+    """A model directory holds no tokenizer files; ``str(error)`` is one line naming the directory and the files
+    expected. Also a ``ValueError``, as the loader's other tokenizer errors."""
 
 
 def _quiet_transformers() -> None:
@@ -37,15 +49,38 @@ def _check_dir(path: str) -> str:
     return local
 
 
+def check_tokenizer_files(path: str) -> str:
+    """The local directory of ``path`` (see :func:`_check_dir`) after checking that it holds a tokenizer's vocabulary
+    (one of :data:`TOKENIZER_VOCAB_FILES`, a ``*.model`` or a ``*.tiktoken`` file), so a model directory saved
+    without its tokenizer is reported by name instead of by transformers' guess at a missing converter.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a local directory.
+        MissingTokenizerError: the directory holds no tokenizer vocabulary (one line: the directory, the files
+            expected and up to 8 of the files it holds).
+    """
+    local = _check_dir(path)
+    names = sorted(os.listdir(local))
+    if any(n in TOKENIZER_VOCAB_FILES or n.endswith((".model", ".tiktoken")) for n in names):
+        return local
+    held = ", ".join(names[:8]) + (f", ... ({len(names)} files)" if len(names) > 8 else "") if names else "nothing"
+    where = local if local == path else f"{path} ({local})"
+    raise MissingTokenizerError(f"no tokenizer files in {where}: expected {EXPECTED_TOKENIZER_FILES}; it holds "
+                                f"{held}")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     """Tokenizer from a local model directory, with a pad token guaranteed (see the module's pad-token rule).
 
     Raises:
         FileNotFoundError: ``path`` is not a local directory.
+        MissingTokenizerError: (a ``ValueError``) the directory holds no tokenizer files
+            (:func:`check_tokenizer_files`).
         ValueError: the tokenizer has neither a pad nor an eos token.
+        OSError: transformers could not load the tokenizer files there.
     """
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(_check_dir(path), trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(check_tokenizer_files(path), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"tokenizer at {path!r} has neither a pad token nor an eos token; set one of them")

@@ -16,10 +16,10 @@ from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
-from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
+from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.errors import DataError, UserError
 from hybridflow.distributed.init import is_loopback
-from hybridflow.models.hf import load_tokenizer
+from hybridflow.models.hf import MissingTokenizerError, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
 from hybridflow.utils import startup
@@ -56,14 +56,16 @@ def init_ray(config: DictConfig) -> bool:
 
 def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: str) -> RLHFDataset:
     """The ``train`` or ``val`` prompts: ``data.<split>_files`` (parquet files, or ``builtin:NAME`` for a built-in
-    task's split, :mod:`hybridflow.data.builtin`; the built-in arith task when unset),
+    task's split, :mod:`hybridflow.data.builtin`; the built-in arith task when unset), cut to the first
+    ``data.<split>_max_samples`` rows (-1: all) before anything else reads them,
     tokenized, with every row's ``data_source`` checked against the reward registry (unless the rule reward is
     not used, ``reward_model.enable`` with ``combine=model``, or is a user's ``reward_model.compute_score``).
 
     Raises:
-        DataError: a file lacks a column or has no rows, a row is malformed or over-long (``truncation=error``),
-            or a ``data_source`` has no registered reward; the message starts with ``data.<split>_files`` and
-            names the file and the row inside it.
+        DataError: a file is missing, lacks a column or has no rows, a row is malformed or over-long
+            (``truncation=error``: all over-long rows in one message naming the longest), or a ``data_source`` has
+            no registered reward; the message starts with ``data.<split>_files`` and names the file and the row
+            inside it.
     """
     data, key = config.data, f"data.{split}_files"
     given = data.train_files if split == "train" else data.val_files
@@ -80,11 +82,15 @@ def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: st
         if not files:
             rows = make_builtin_rows(split, size, data.seed)
             sizes.append((f"the built-in task's {split} split", len(rows)))
+        rows = first_rows(rows, data.train_max_samples if split == "train" else data.val_max_samples,
+                          f"data.{split}_max_samples")
         dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
                               tools=prompt_tool_schemas(config))
         rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")
         if rule_reward_used and config.reward_model.compute_score == "default":
             check_data_sources(rows)
+    except FileNotFoundError as exc:
+        raise DataError(f"{key}: {exc}") from None
     except DataError as exc:
         raise DataError(f"{key}: {_where(sizes, exc)}") from None
     return dataset
@@ -131,15 +137,23 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
 
 
 def _tokenizer(path: str, trust_remote_code: bool):
-    """:func:`load_tokenizer`, with a directory that is not a model reported in one line naming the key."""
+    """:func:`load_tokenizer`, with a directory that is not a model reported in one line naming the key.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a local directory.
+        UserError: the directory holds no loadable tokenizer (one line: the config keys, the directory and, for
+            missing files, the files expected; else transformers' whole message joined into one line).
+    """
+    key = "actor_rollout_ref.model.path / tokenizer_path"
     try:
         return load_tokenizer(path, trust_remote_code)
     except FileNotFoundError:
         raise
+    except MissingTokenizerError as exc:
+        raise UserError(f"{key}: no loadable tokenizer: {exc}") from None
     except (OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"actor_rollout_ref.model.path / tokenizer_path {path!r}: no loadable tokenizer there "
-                        f"({type(exc).__name__}: {reason})") from None
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise UserError(f"{key} {path!r}: no loadable tokenizer there ({type(exc).__name__}: {reason})") from None
 
 
 def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:

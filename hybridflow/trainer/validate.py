@@ -30,7 +30,11 @@ __all__ = ["GREEDY", "PROMPT_KEYS", "generate_and_score", "validate"]  # the fir
 
 def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, cost: Any = None) -> dict[str, float]:
     """Greedy mean@1 (and sampled mean@n per ``rollout.val_kwargs``) over ``val_data``, per data_source; with
-    ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``."""
+    ``cost`` (a :class:`~hybridflow.trainer.scoring.CostScorer`) also the greedy responses' mean ``val/cost``.
+
+    The prompts go through the actor in chunks of ``data.val_batch_size`` (default ``data.train_batch_size``)
+    prompts (x n responses), each pass with its progress bar or plain progress lines; the chunks keep
+    ``val_data``'s padding, so greedy results do not depend on the chunk size."""
     passes, labels = {"val/score": GREEDY}, {"val/score": "greedy"}  # metric -> sampling, progress label
     kw = config.actor_rollout_ref.rollout.val_kwargs
     if kw.do_sample:
@@ -49,7 +53,8 @@ def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, c
             if cost is not None:
                 costs.extend(cost.compute_cost(rows).sum(-1).tolist())
 
-    results = score_passes(actor.generate_sequences, score, val_data, passes, config.data.val_batch_size,
+    batch_size = config.data.val_batch_size or config.data.train_batch_size  # chunks with progress, never one
+    results = score_passes(actor.generate_sequences, score, val_data, passes, batch_size,
                            config.trainer.seed, lambda name: f"validation ({labels[name]})", on_greedy)
     metrics: dict[str, float] = {}
     for name, (scores, sources) in results.items():

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerFast
 
-from hybridflow.data.dataset import RLHFDataset, collate_fn, compute_position_ids, load_rows
+from hybridflow.data.dataset import RLHFDataset, collate_fn, compute_position_ids, first_rows, load_rows
+from hybridflow.errors import DataError
 from hybridflow.protocol import DataProto
 
 WORDS = ["<pad>", "<unk>", "<s>", "</s>", "<|user|>", "<|system|>", "<|assistant|>",
@@ -271,3 +272,31 @@ def test_index_must_be_int():
     r["extra_info"] = {"index": "seven"}
     with pytest.raises(ValueError, match="row 0: extra_info.index"):
         RLHFDataset([r], make_tokenizer(), max_prompt_length=8)
+
+
+# ---------------------------------------------------------------- every over-long prompt at once, row limits
+def test_truncation_error_reports_every_offender_in_one_line():
+    # token counts with bos: 2, 7, 3, 9, 4 -> over 3: rows 1, 3 and 4; the longest is row 3 with 9
+    rows = [row("hi"), row("what is 2 + 3 ?"), row("hi hi"), row("what is 2 + 3 ? hi hi"), row("what is 2")]
+    with pytest.raises(DataError) as info:
+        RLHFDataset(rows, make_tokenizer(), max_prompt_length=3)
+    message = str(info.value)
+    assert info.value.row == 3 and "\n" not in message
+    assert message.startswith("row 3: prompt has 9 tokens > max_prompt_length=3")
+    for text in ("3 of 5 prompts", "data.max_prompt_length >= 9", "data.truncation (one of error, left, right, filter)"):
+        assert text in message
+
+
+def test_truncation_error_names_the_first_of_equally_long_prompts():
+    rows = [row("hi"), row("hi hi hi"), row("hi hi hi")]  # 2, 4, 4 tokens
+    with pytest.raises(DataError, match=r"^row 1: prompt has 4 tokens > max_prompt_length=2, .* 2 of 3 prompts"):
+        RLHFDataset(rows, make_tokenizer(), max_prompt_length=2)
+
+
+def test_first_rows_keeps_the_first_n():
+    rows = [{"i": i} for i in range(5)]
+    assert first_rows(rows, 2) == [{"i": 0}, {"i": 1}]
+    assert first_rows(rows, -1) == rows and first_rows(rows, 9) == rows
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=rf"--max-samples must be -1 \(all rows\) or >= 1, got {bad}"):
+            first_rows(rows, bad, "--max-samples")
