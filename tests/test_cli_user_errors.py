@@ -164,3 +164,27 @@ def test_a_run_that_fails_to_start_leaves_the_previous_metrics_in_place(tmp_path
     _one_error_line(capsys, f"trainer.default_local_dir={run}")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "x": 1.0}\n'
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_run_directory_held_by_a_live_run_is_one_line_naming_it_before_ray(tmp_path, capsys, monkeypatch):
+    """A second run into a live run's directory is refused (exit 1, one line naming the holder's pid and the lock
+    file) before Ray starts, and leaves the live run's files as they are."""
+    import fcntl
+    import json
+    import os
+
+    _no_ray(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n')
+    lock = run / "run.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # the live run: this process, through another open file
+    body = json.dumps({"pid": os.getpid(), "host": "h", "started": "2026-01-02T03:04:05+00:00", "command": "c"})
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(holder, body.encode())
+        err = _one_error_line(capsys, f"trainer.default_local_dir={run}")
+    finally:
+        os.close(holder)
+    assert f"pid {os.getpid()} on host h (started 2026-01-02T03:04:05+00:00" in err and f"lock file {lock}" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "x": 1.0}\n' and lock.read_text() == body

@@ -14,6 +14,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.driver import get_driver
 from hybridflow.trainer.loop import TrainLoop
+from hybridflow.trainer.run_lock import run_dir_lock
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils.plot import write_run_curves
 from hybridflow.utils.progress import RunProgress
@@ -25,20 +26,28 @@ logger = logging.getLogger(__name__)
 def run_ppo(config: Any) -> dict:
     """Train per ``config`` (a validated config from :func:`hybridflow.config.load_config`) with the driver
     ``algorithm.driver`` (the PPO family by default). Returns the last validation metrics. Shuts down a Ray
-    cluster it started itself.
+    cluster it started itself. Holds the run directory's lock (:mod:`hybridflow.trainer.run_lock`) throughout.
 
     Raises:
         DataError: bad data (see :func:`~hybridflow.trainer.setup.build_data`), before Ray starts.
+        RunDirInUseError: another live run holds ``trainer.default_local_dir`` (a ``UserError`` naming its pid,
+            host, start time and lock file), before Ray starts. The lock is released on every exit.
         TrainingInterrupted: Ctrl-C (SIGINT, ``KeyboardInterrupt``); raised after the worker groups are removed
             and Ray is shut down, naming the last complete step and the latest complete checkpoint. Everything
             already written stays: checkpoints are renamed into place only when complete, and every step's
             metrics row is flushed when logged.
     """
-    import ray
-
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     _check_start(config)
-    total = total_training_steps(config, steps_per_epoch)
+    with run_dir_lock(config.trainer.default_local_dir):  # a second live run into this directory is refused
+        return _run_locked(config, train_batches, val_data, total_training_steps(config, steps_per_epoch))
+
+
+def _run_locked(config: Any, train_batches: Callable[[int], Iterator[DataProto]], val_data: DataProto,
+                total: int) -> dict:
+    """:func:`run_ppo` once the run directory's lock is held: resume check, Ray, worker groups, training."""
+    import ray
+
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
     start = _prepare_run_dir(config, checkpoints, total)
     if start is None:
