@@ -155,4 +155,17 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
     if config.trainer.plot_curves:
         write_run_curves(config.trainer.default_local_dir)
+    logger.info("%s", checkpoint_summary(config.trainer.save_freq, tracker.last_step,
+                                         CheckpointManager(config.trainer.default_local_dir).latest()))
     return result
+
+
+def checkpoint_summary(save_freq: int, last_step: int, latest: Optional[str]) -> str:
+    """The run's last log line: where its weights are. A run with ``save_freq`` > 0 checkpoints its last step
+    (``latest``); with ``save_freq`` <= 0 it saved none, so the trained weights of ``last_step`` are gone with the
+    workers (``latest``: an earlier run's checkpoint in the same directory, or None)."""
+    if save_freq > 0:
+        return f"latest checkpoint: {latest} (hybridflow export {latest} OUT_DIR writes a Hugging Face model)"
+    earlier = f"; the run directory's latest checkpoint is the earlier {latest}" if latest else ""
+    return (f"no checkpoint saved (trainer.save_freq={save_freq}): the trained weights of step {last_step} were not "
+            f"kept, only the metrics{earlier}; set trainer.save_freq=N to checkpoint every N steps and the last")
