@@ -168,4 +168,4 @@ def checkpoint_summary(save_freq: int, last_step: int, latest: Optional[str]) ->
         return f"latest checkpoint: {latest} (hybridflow export {latest} OUT_DIR writes a Hugging Face model)"
     earlier = f"; the run directory's latest checkpoint is the earlier {latest}" if latest else ""
     return (f"no checkpoint saved (trainer.save_freq={save_freq}): the trained weights of step {last_step} were not "
-            f"kept, only the metrics{earlier}; set trainer.save_freq=N to checkpoint every N steps and the last")
+            f"kept{earlier}; set trainer.save_freq=N to checkpoint every N steps and the last")
