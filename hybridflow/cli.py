@@ -67,6 +67,10 @@ def run_script(main: Callable[[], object]) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    """``hybridflow train`` (see the module docstring). An exception raised in the user's own code (a reward
+    function, a plugin, also inside a worker: a :class:`~hybridflow.errors.UserCodeError`) prints
+    ``error: [<group> rank <r>: ]<where>: <ExceptionType>: <message>`` and the user's own frames, and returns 1;
+    hybridflow's own errors keep their tracebacks."""
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as exc:
@@ -78,6 +82,7 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
+    from hybridflow.errors import report_lines
     from hybridflow.trainer.checkpoint import IncompatibleCheckpointError
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
@@ -89,11 +94,18 @@ def _run_train(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     except USER_ERRORS as exc:  # bad data or paths: one line, no traceback; programming errors keep theirs
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
+        print("\n".join(report_lines(exc)), file=sys.stderr)  # (a UserCodeError: the user's frames under it)
         return EXIT_USER_ERROR
     except TrainingInterrupted as exc:
         print(_interrupted_line(exc, args), file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # a worker's UserError (e.g. the user's reward raised): one line + the user's frames
+        user = getattr(exc, "user_error", None)  # (a WorkerError's; any other exception is a bug: traceback)
+        if user is None:
+            raise
+        logging.getLogger("hybridflow").debug("train failed", exc_info=True)
+        print("\n".join(report_lines(user, where=exc.location)), file=sys.stderr)
+        return EXIT_USER_ERROR
     return 0
 
 
