@@ -103,12 +103,22 @@ class UserCodeError(UserError, RuntimeError):
 
     @classmethod
     def wrap(cls, exc: BaseException, where: str, hint: str = "") -> Optional["UserCodeError"]:
-        """``exc`` as a UserCodeError when its traceback passes through the user's own files; None when it does
-        not (an error of hybridflow or a library on its own: a bug, which keeps its full traceback)."""
-        frames = user_frames(exc)
-        if not frames:
+        """``exc`` as a UserCodeError when it was raised in the user's own code: the innermost entry of its
+        traceback outside the standard library and installed packages is in a user's file (so a library call
+        the user's code made counts as theirs); None otherwise (raised in hybridflow, even when called from the
+        user's code: a bug or a misuse hybridflow reports itself, which keeps its full traceback)."""
+        if not _raised_in_user_code(exc):
             return None
-        return cls(where, type(exc).__name__, " ".join(str(exc).split()), frames, hint)  # on one line
+        return cls(where, type(exc).__name__, " ".join(str(exc).split()), user_frames(exc), hint)  # on one line
+
+
+def _raised_in_user_code(exc: BaseException) -> bool:
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):  # innermost first
+        if is_user_file(frame.filename):
+            return True
+        if os.path.abspath(frame.filename).startswith(_PACKAGE_DIR):
+            return False
+    return False
 
 
 def report_lines(error: BaseException, where: str = "") -> list[str]:

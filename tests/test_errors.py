@@ -90,6 +90,10 @@ class _Worker:
     def bad_data(self):
         raise UserError("data.train_files: no rows")
 
+    @register(Dispatch.ONE_TO_ALL)
+    def call_hybridflow(self):
+        return decode_responses(None, DataProto.from_dict({"x": torch.zeros(1)}))
+
 
 def test_the_worker_method_boundary_wraps_only_errors_that_came_through_user_code():
     with pytest.raises(UserCodeError) as err:
@@ -102,6 +106,9 @@ def test_the_worker_method_boundary_wraps_only_errors_that_came_through_user_cod
     # hybridflow's own code failing (no user frame in the traceback): a bug, raised as it is
     with pytest.raises(KeyError, match="responses"):
         register(Dispatch.ONE_TO_ALL)(decode_responses)(None, DataProto.from_dict({"x": torch.zeros(1)}))
+    # raised inside hybridflow, called from the user's code: hybridflow's own report, with its traceback
+    with pytest.raises(KeyError, match="responses"):
+        _Worker().call_hybridflow()
 
 
 def test_user_frames_keep_only_the_users_files():

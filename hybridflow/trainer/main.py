@@ -9,7 +9,7 @@ import os
 
 from typing import Any, Callable, Iterator, Optional
 
-from hybridflow.errors import TrainingInterrupted, UserError
+from hybridflow.errors import TrainingInterrupted, UserCodeError, UserError
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.driver import get_driver
@@ -135,6 +135,9 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
 
     Raises:
         TrainingInterrupted: Ctrl-C during training (names the last logged step and the latest checkpoint).
+        UserCodeError: an exception raised in the user's own code on the driver (a driver plugin), as one line
+            and the user's frames (:meth:`~hybridflow.errors.UserCodeError.wrap`); hybridflow's own errors and
+            the workers' (``WorkerError``) are raised as they are.
     """
     _tidy_metrics(config.trainer.default_local_dir, start)  # the workers are up: the run starts now
     tracker = RunProgress(Tracking(
@@ -150,6 +153,13 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
         raise TrainingInterrupted(tracker.last_step, total, latest) from None
+    except UserError:
+        raise
+    except Exception as exc:  # raised in the user's own code on the driver (a driver plugin, a hook it calls)?
+        wrapped = UserCodeError.wrap(exc, f"driver {config.algorithm.driver!r}")
+        if wrapped is None:  # hybridflow's own error (a worker's failure included): a bug, with its traceback
+            raise
+        raise wrapped from exc
     finally:
         tracker.finish()
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
