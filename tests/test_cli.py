@@ -108,7 +108,8 @@ def test_known_third_party_warnings_are_hidden_here_and_in_started_processes(mon
         quiet_third_party_warnings()
         quiet_third_party_warnings()  # main() may run twice in one process: nothing is added twice
         exec(compile(WARN, "w.py", "exec"), {})
-    assert [str(w.message) for w in shown] == ["full scope is deprecated (elsewhere)", "hybridflow: a warning of our own"]
+    assert [str(w.message) for w in shown] == ["full scope is deprecated (elsewhere)",
+                                               "hybridflow: a warning of our own"]
     entries = os.environ["PYTHONWARNINGS"].split(",")
     assert entries[-1] == "error::ResourceWarning" and len(entries) == len(set(entries))
     assert "ignore:Apex is not installed:UserWarning:" in entries

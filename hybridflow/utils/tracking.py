@@ -211,7 +211,8 @@ def format_console_line(metrics: Mapping[str, float], step: int) -> str:
     reward = metrics.get(METRIC_REWARD, metrics.get(METRIC_SCORE))
     for label, value in (("reward", reward), ("kl", metrics.get(METRIC_KL)),
                          ("entropy", metrics.get(METRIC_ENTROPY)),
-                         ("resp_len", metrics.get(METRIC_RESPONSE_LENGTH)), (RUN_VAL_METRIC, metrics.get(RUN_VAL_METRIC))):
+                         ("resp_len", metrics.get(METRIC_RESPONSE_LENGTH)),
+                         (RUN_VAL_METRIC, metrics.get(RUN_VAL_METRIC))):
         if value is not None:
             head.append(f"{label} {_short(value)}")
     tail = []
