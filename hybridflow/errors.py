@@ -81,7 +81,7 @@ def user_frames(exc: BaseException) -> list[str]:
 
 class UserCodeError(UserError, RuntimeError):
     """An exception raised in the user's own code (a ``reward_model.compute_score`` function, a plugin, a worker
-    class): ``str(error)`` is the one line ``<where>: <ExceptionType>: <message>[; <hint>]`` and :attr:`frames`
+    class): ``str(error)`` is the one line ``<where>: <ExceptionType>[: <message>][; <hint>]`` and :attr:`frames`
     the user's own traceback entries (:func:`user_frames`), which the CLI prints under it instead of the full
     traceback. Also a ``RuntimeError``, as the reward errors it replaces. Picklable with its fields, so it
     crosses Ray's process boundary (``RayTaskError.cause``).
@@ -95,7 +95,7 @@ class UserCodeError(UserError, RuntimeError):
     """
 
     def __init__(self, where: str, exc_type: str, message: str, frames: Sequence[str] = (), hint: str = "") -> None:
-        super().__init__(f"{where}: {exc_type}: {message}" + (f"; {hint}" if hint else ""))
+        super().__init__(f"{where}: {exc_type}" + (f": {message}" if message else "") + (f"; {hint}" if hint else ""))
         self.where, self.exc_type, self.message, self.frames, self.hint = where, exc_type, message, list(frames), hint
 
     def __reduce__(self):  # keep the fields when pickled (Ray ships errors between processes)

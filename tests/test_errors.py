@@ -66,6 +66,7 @@ def test_a_user_reward_error_is_one_line_and_the_users_frames(user_reward):
     assert report_lines(error, "reward rank 1") == [f"error: reward rank 1: {error}", *error.frames]
     copy = pickle.loads(pickle.dumps(error))  # as Ray ships it from the worker to the driver
     assert (type(copy), str(copy), copy.frames) == (UserCodeError, str(error), error.frames)
+    assert str(UserCodeError("hook()", "StopIteration", "")) == "hook(): StopIteration"  # no message: no colon
 
 
 def test_which_files_are_the_users(user_reward):
