@@ -38,9 +38,14 @@ class RunDirInUseError(UserError):
 
 def lock_body() -> dict:
     """What this process writes into the lock file: ``pid``, ``host``, ``started`` (UTC, ISO 8601), ``command``."""
+    program = os.path.abspath(sys.argv[0]) if sys.argv[0] else "python"
+    if os.path.basename(program) == "__main__.py":  # python -m <package>
+        words = ["python", "-m", os.path.basename(os.path.dirname(program))]
+    else:
+        words = [os.path.basename(program)]
     return {"pid": os.getpid(), "host": socket.gethostname(),
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": shlex.join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]])}
+            "command": shlex.join(words + sys.argv[1:])}
 
 
 def pid_alive(pid: int) -> bool:

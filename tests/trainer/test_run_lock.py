@@ -116,3 +116,16 @@ def test_a_read_only_run_directory_is_one_line(tmp_path):
                 pass
     finally:
         tmp_path.chmod(0o755)
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["/venv/bin/hybridflow", "train", "quickstart", "trainer.default_local_dir=/my runs/a"],
+     "hybridflow train quickstart 'trainer.default_local_dir=/my runs/a'"),
+    (["/src/hybridflow/__main__.py", "train", "x.yaml"], "python -m hybridflow train x.yaml"),
+])
+def test_the_lock_body_names_the_command_as_typed(monkeypatch, argv, command):
+    from hybridflow.trainer.run_lock import lock_body
+
+    monkeypatch.setattr(sys, "argv", argv)
+    body = lock_body()
+    assert body["command"] == command and body["pid"] == os.getpid() and body["host"] == socket.gethostname()
