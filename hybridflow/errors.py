@@ -9,8 +9,8 @@ hybridflow (only the standard library), so every layer may raise these.
 
 from __future__ import annotations
 
+import functools
 import os
-import sysconfig
 import traceback
 from typing import Optional, Sequence
 
@@ -51,9 +51,17 @@ class TrainingInterrupted(Exception):
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # hybridflow's own code
-_LIBRARY_DIRS = tuple(sorted({os.path.abspath(p) + os.sep for name in ("stdlib", "platstdlib", "purelib", "platlib")
-                              if (p := sysconfig.get_paths().get(name))}))
 _LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """The standard library's and the installed packages' directories (read once, when first needed)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple(sorted({os.path.abspath(paths[name]) + os.sep
+                         for name in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(name)}))
 
 
 def is_user_file(filename: str) -> bool:
@@ -62,7 +70,7 @@ def is_user_file(filename: str) -> bool:
     if filename.startswith("<"):
         return False
     path = os.path.abspath(filename)
-    if path.startswith(_PACKAGE_DIR) or path.startswith(_LIBRARY_DIRS):
+    if path.startswith(_PACKAGE_DIR) or path.startswith(_library_dirs()):
         return False
     return not any(part in path for part in _LIBRARY_PARTS)
 

@@ -9,10 +9,10 @@ A registered method is a step of the dataflow. The decorator stores a ``MethodSp
    ``blocking=False``, returns a future at once.
 
 Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
-so a method always sees plain ``DataProto`` values. An exception whose traceback passes through the user's own
-files (a plugin's loss, a user's worker class; :func:`hybridflow.errors.user_frames`) leaves the method as a
-:class:`~hybridflow.errors.UserCodeError` (one line and the user's frames); hybridflow's own errors and
-``UserError`` s leave unchanged. A method that declares the columns it reads
+so a method always sees plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
+user's worker class; :meth:`hybridflow.errors.UserCodeError.wrap`) leaves the method as a
+:class:`~hybridflow.errors.UserCodeError` (one line and the user's frames); hybridflow's own errors and a
+``UserError`` leave it unchanged. A method that declares the columns it reads
 (``batch_keys``, ``non_tensor_batch_keys``) is sent only those of its ``DataProto`` arguments.
 """
 
@@ -163,7 +163,7 @@ def register(
                 return func(*args, **kwargs)
             except UserError:
                 raise
-            except Exception as exc:  # through the user's code (a plugin, a worker class): one line and its frames
+            except Exception as exc:  # raised in the user's code (a plugin, a worker class): one line and its frames
                 wrapped = UserCodeError.wrap(exc, f"{func.__qualname__}()")
                 if wrapped is None:  # hybridflow's or a library's own error: a bug, its traceback is kept
                     raise
