@@ -1,13 +1,73 @@
 """Shared fixtures: one local Ray session (CPU only) for every in-process test that needs Ray."""
 
 import os
+import time
 
 import pytest
 import ray
 
+import tiers
+
 # model.dtype=auto stays fp32 in tests on every CPU (no bf16 probe; hybridflow.distributed.precision); set before
 # any Ray worker starts, so workers inherit it
 os.environ.setdefault("HYBRIDFLOW_AUTO_DTYPE_PROBE", "0")
+
+
+def pytest_configure(config):
+    for tier, doc in (("unit", "in-process tests (the quick tier with dist)"),
+                      ("dist", "gloo ranks, Ray actors or CLI child processes, no training run"),
+                      ("e2e", "training runs (hybridflow train, run_ppo, a driver)")):
+        config.addinivalue_line("markers", f"{tier}: {doc}; assigned in tests/tiers.py")
+    tiers.install()
+
+
+def pytest_collection_modifyitems(items):
+    """Every test gets exactly one tier marker, from tests/tiers.py, and the tiers run in order (unit, dist, e2e;
+    the file order kept within each), so a run fails fast and each tier's wall time is one stretch."""
+    for item in items:
+        item.add_marker(tiers.tier_of(item.nodeid))
+    items.sort(key=lambda item: tiers.LEVELS.index(tiers.tier_of(item.nodeid)))
+
+
+_tier_seconds: dict[str, list[float]] = {}  # tier -> [seconds, tests]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        spent = _tier_seconds.setdefault(tiers.tier_of(item.nodeid), [0.0, 0])
+        spent[0] += time.monotonic() - start
+        spent[1] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _tier_seconds:
+        terminalreporter.write_line("wall time by tier: " + ", ".join(
+            f"{tier} {_tier_seconds[tier][0]:.0f} s ({_tier_seconds[tier][1]} tests)"
+            for tier in tiers.LEVELS if tier in _tier_seconds))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with tiers.running(item.nodeid, tiers.tier_of(item.nodeid)):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    tier = tiers.tier_of(item.nodeid)
+    tiers.check_fixtures(item.nodeid, item.fixturenames, tier)
+    with tiers.running(item.nodeid, tier):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    with tiers.running(f"fixture:{fixturedef.argname}", tiers.current_tier()):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -119,9 +119,9 @@ def test_a_read_only_run_directory_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("argv, command", [
-    (["/venv/bin/hybridflow", "train", "quickstart", "trainer.default_local_dir=/my runs/a"],
-     "hybridflow train quickstart 'trainer.default_local_dir=/my runs/a'"),
-    (["/src/hybridflow/__main__.py", "train", "x.yaml"], "python -m hybridflow train x.yaml"),
+    (["venv/bin/hybridflow", "train", "quickstart", "trainer.default_local_dir=my runs/a"],
+     "hybridflow train quickstart 'trainer.default_local_dir=my runs/a'"),
+    (["src/hybridflow/__main__.py", "train", "x.yaml"], "python -m hybridflow train x.yaml"),
 ])
 def test_the_lock_body_names_the_command_as_typed(monkeypatch, argv, command):
     from hybridflow.trainer.run_lock import lock_body
