@@ -107,7 +107,7 @@ def colocated_class(classes: dict[str, type]) -> type:
     ``m`` of instance ``name`` is ``f"{name}__{m}"``; ``get_master_addr_port`` is the process's.
 
     Raises:
-        ValueError: fewer than one class, a name that is not an identifier or contains ``__``, or a class that
+        ValueError: no class, a name that is not an identifier or contains ``__``, or a class that
             :func:`can_colocate` rejects.
     """
     if not classes:
