@@ -70,6 +70,10 @@ def run_script(main: Callable[[], object]) -> int:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    """``hybridflow train`` (see the module docstring). An exception raised in the user's own code (a reward
+    function, a plugin, also inside a worker: a :class:`~hybridflow.errors.UserCodeError`) prints
+    ``error: [<group> rank <r>: ]<where>: <ExceptionType>: <message>`` and the user's own frames, and returns 1;
+    hybridflow's own errors keep their tracebacks."""
     startup.begin(from_process_start=True)
     startup.mark("imports")
     try:
@@ -84,6 +88,7 @@ def _run_train(args: argparse.Namespace) -> int:
         print(OmegaConf.to_yaml(cfg, resolve=True), end="")
         return 0
     startup.mark("config")
+    from hybridflow.errors import report_lines
     from hybridflow.trainer.checkpoint import IncompatibleCheckpointError
     from hybridflow.trainer.main import run_ppo  # Ray and the models load only from here on
 
@@ -97,11 +102,18 @@ def _run_train(args: argparse.Namespace) -> int:
         return EXIT_CONFIG_ERROR
     except USER_ERRORS as exc:  # bad data or paths: one line, no traceback; programming errors keep theirs
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
-        print(f"error: {exc}", file=sys.stderr)
+        print("\n".join(report_lines(exc)), file=sys.stderr)  # (a UserCodeError: the user's frames under it)
         return EXIT_USER_ERROR
     except TrainingInterrupted as exc:
         print(_interrupted_line(exc, args), file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as exc:  # a worker's UserError (e.g. the user's reward raised): one line + the user's frames
+        user = getattr(exc, "user_error", None)  # (a WorkerError's; any other exception is a bug: traceback)
+        if user is None:
+            raise
+        logging.getLogger("hybridflow").debug("train failed", exc_info=True)
+        print("\n".join(report_lines(user, where=exc.location)), file=sys.stderr)
+        return EXIT_USER_ERROR
     return 0
 
 
@@ -279,9 +291,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Warnings of other packages that every run of a recipe would print and a user cannot act on: (start of the message,
+# category, module that warns or "" for any). Megatron-core on a machine without Transformer Engine / Apex, and
+# the deprecated torch.distributed names it calls.
+THIRD_PARTY_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    ("Transformer Engine and Apex are not installed", "UserWarning", ""),
+    ("Apex is not installed", "UserWarning", ""),
+    ("full scope is deprecated", "UserWarning", "megatron.core.transformer.transformer_config"),
+    ("The .grad attribute of a Tensor that is not a leaf Tensor", "UserWarning", "megatron.core.optimizer.optimizer"),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", "FutureWarning", "torch.distributed.c10d_logger"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning", "torch.distributed.c10d_logger"),
+)
+
+
+def quiet_third_party_warnings() -> None:
+    """Hide :data:`THIRD_PARTY_WARNINGS` in this process (filters appended after the ones already set, so a
+    user's ``-W`` / ``PYTHONWARNINGS`` still wins) and in the processes it starts, Ray's workers included (entries
+    put before the user's own in ``PYTHONWARNINGS``, where the last matching entry wins). Every other warning,
+    hybridflow's own among them, is shown as before."""
+    import builtins
+    import os
+    import re
+    import warnings
+
+    entries = []
+    for message, category, module in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=getattr(builtins, category),
+                                module=re.escape(module) + r"\Z" if module else "", append=True)
+        entries.append(f"ignore:{message}:{category}:{module}")
+    given = [e for e in os.environ.get("PYTHONWARNINGS", "").split(",") if e]  # (ours too, after an earlier call)
+    os.environ["PYTHONWARNINGS"] = ",".join([e for e in entries if e not in given] + given)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand and return its exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_third_party_warnings()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops filling a nargs="*" positional at the first option: keep overrides given after an option.

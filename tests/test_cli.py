@@ -93,3 +93,34 @@ def test_help_and_usage_errors(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2
+
+
+WARN = ("import warnings\n"
+        "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch optimizers.')\n"
+        "warnings.warn_explicit('full scope is deprecated. Use empty cuda_graph_scope', UserWarning, 'c.py', 1,\n"
+        "                       module='megatron.core.transformer.transformer_config')\n"
+        "warnings.warn_explicit('full scope is deprecated (elsewhere)', UserWarning, 'm.py', 2, module='mine')\n"
+        "warnings.warn('hybridflow: a warning of our own', UserWarning)\n")
+
+
+def test_known_third_party_warnings_are_hidden_here_and_in_started_processes(monkeypatch):
+    """Megatron's Apex notice is hidden in the CLI's process and in the processes it starts (Ray's workers inherit
+    PYTHONWARNINGS); a module-scoped entry hides only that module's warning; other warnings are shown."""
+    import warnings
+
+    from hybridflow.cli import quiet_third_party_warnings
+
+    monkeypatch.setenv("PYTHONWARNINGS", "error::ResourceWarning")  # the user's own setting stays, and last
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.resetwarnings()
+        quiet_third_party_warnings()
+        quiet_third_party_warnings()  # main() may run twice in one process: nothing is added twice
+        exec(compile(WARN, "w.py", "exec"), {})
+    assert [str(w.message) for w in shown] == ["full scope is deprecated (elsewhere)",
+                                               "hybridflow: a warning of our own"]
+    entries = os.environ["PYTHONWARNINGS"].split(",")
+    assert entries[-1] == "error::ResourceWarning" and len(entries) == len(set(entries))
+    assert "ignore:Apex is not installed:UserWarning:" in entries
+    child = subprocess.run([sys.executable, "-c", WARN], capture_output=True, text=True, timeout=60)
+    assert "Apex" not in child.stderr and "cuda_graph_scope" not in child.stderr, child.stderr
+    assert "full scope is deprecated (elsewhere)" in child.stderr and "a warning of our own" in child.stderr

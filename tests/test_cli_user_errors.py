@@ -164,3 +164,75 @@ def test_a_run_that_fails_to_start_leaves_the_previous_metrics_in_place(tmp_path
     _one_error_line(capsys, f"trainer.default_local_dir={run}")
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "x": 1.0}\n'
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_a_run_directory_held_by_a_live_run_is_one_line_naming_it_before_ray(tmp_path, capsys, monkeypatch):
+    """A second run into a live run's directory is refused (exit 1, one line naming the holder's pid and the lock
+    file) before Ray starts, and leaves the live run's files as they are."""
+    import fcntl
+    import json
+    import os
+
+    _no_ray(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "x": 1.0}\n')
+    lock = run / "run.lock"
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # the live run: this process, through another open file
+    body = json.dumps({"pid": os.getpid(), "host": "h", "started": "2026-01-02T03:04:05+00:00", "command": "c"})
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(holder, body.encode())
+        err = _one_error_line(capsys, f"trainer.default_local_dir={run}")
+    finally:
+        os.close(holder)
+    assert f"pid {os.getpid()} on host h (started 2026-01-02T03:04:05+00:00" in err and f"lock file {lock}" in err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "x": 1.0}\n' and lock.read_text() == body
+
+
+FAILING_DRIVER = '''\
+from hybridflow.trainer.driver import Driver, register_driver
+from hybridflow.trainer.ppo import common_roles
+
+
+def check(groups):
+    return groups["actor"]
+
+
+@register_driver("failing_driver")
+class FailingDriver(Driver):
+    ROLES = ("actor", "reward", "reward_model")
+
+    @classmethod
+    def roles(cls, config):
+        return common_roles(config)
+
+    @classmethod
+    def build(cls, config, groups):
+        return cls(check(groups))
+'''
+
+
+def test_a_user_driver_raising_on_the_driver_is_one_line_and_its_frames(tmp_path, capsys, monkeypatch):
+    """A driver plugin (the user's file) that raises in the driver process: ``error: driver '<name>': ...`` and the
+    user's frames, exit 1 (the worker groups are stubbed: the error comes from building the driver)."""
+    import contextlib
+
+    import hybridflow.trainer.main as train_main
+    from hybridflow.trainer.driver import DRIVERS, _ORDER
+
+    plugin = tmp_path / "failing_driver.py"
+    plugin.write_text(FAILING_DRIVER)
+    monkeypatch.setattr(train_main, "init_ray", lambda config: False)
+    monkeypatch.setattr(train_main, "worker_groups", lambda config, total: contextlib.nullcontext({}))
+    try:
+        assert main(["train", "quickstart", *SMALL, f"trainer.plugins=[{plugin}]", "algorithm.driver=failing_driver",
+                     "trainer.logger=[jsonl]", f"trainer.default_local_dir={tmp_path / 'run'}"]) == 1
+    finally:
+        if "failing_driver" in DRIVERS:
+            DRIVERS.unregister("failing_driver")
+            _ORDER.remove("failing_driver")
+    assert capsys.readouterr().err.splitlines() == [
+        "error: driver 'failing_driver': KeyError: 'actor'",
+        f"  {plugin}:19 in build", "    return cls(check(groups))",
+        f"  {plugin}:6 in check", '    return groups["actor"]']

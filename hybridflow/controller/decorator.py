@@ -9,7 +9,10 @@ A registered method is a step of the dataflow. The decorator stores a ``MethodSp
    ``blocking=False``, returns a future at once.
 
 Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
-so a method always sees plain ``DataProto`` values. A method that declares the columns it reads
+so a method always sees plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
+user's worker class; :meth:`hybridflow.errors.UserCodeError.wrap`) leaves the method as a
+:class:`~hybridflow.errors.UserCodeError` (one line and the user's frames); hybridflow's own errors and a
+``UserError`` leave it unchanged. A method that declares the columns it reads
 (``batch_keys``, ``non_tensor_batch_keys``) is sent only those of its ``DataProto`` arguments.
 """
 
@@ -22,6 +25,7 @@ from enum import Enum
 from typing import Any, Callable, Optional, Union
 
 from hybridflow.controller.futures import DataProtoFuture
+from hybridflow.errors import UserCodeError, UserError
 from hybridflow.protocol import DataProto
 
 __all__ = ["Dispatch", "Execute", "MethodSpec", "register", "get_method_spec", "get_registered_methods"]
@@ -155,7 +159,15 @@ def register(
         def inner(*args: Any, **kwargs: Any) -> Any:
             args = tuple(_materialize(a) for a in args)
             kwargs = {k: _materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except UserError:
+                raise
+            except Exception as exc:  # raised in the user's code (a plugin, a worker class): one line and its frames
+                wrapped = UserCodeError.wrap(exc, f"{func.__qualname__}()")
+                if wrapped is None:  # hybridflow's or a library's own error: a bug, its traceback is kept
+                    raise
+                raise wrapped from exc
 
         setattr(inner, _SPEC_ATTR, spec)
         inner.__signature__ = _accepting_after(func)  # Ray checks a call's arguments against the signature,

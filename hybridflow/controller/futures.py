@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from hybridflow.errors import UserError
+
 __all__ = ["DataProtoFuture", "WorkerError", "get_outputs", "get_outputs_many"]
 
 
@@ -21,7 +23,7 @@ class WorkerError(RuntimeError):
     """A worker-group call failed on one rank.
 
     Attributes: ``group`` (the worker group's name prefix), ``rank``, ``method``, ``cause`` (the Ray error,
-    whose text holds the remote traceback).
+    whose text holds the remote traceback; its ``cause`` is the rank's own exception), :attr:`user_error`.
     """
 
     def __init__(self, group: str, rank: int, method: str, cause: BaseException) -> None:
@@ -35,6 +37,21 @@ class WorkerError(RuntimeError):
 
     def __reduce__(self):  # keep the four fields when pickled (Ray ships errors between processes)
         return (WorkerError, (self.group, self.rank, self.method, self.cause))
+
+    @property
+    def location(self) -> str:
+        """``<group> rank <rank>``: where the failure happened, to prefix :attr:`user_error`'s line."""
+        return f"{self.group} rank {self.rank}"
+
+    @property
+    def user_error(self) -> Optional[UserError]:
+        """The :class:`~hybridflow.errors.UserError` the rank raised (a ``UserCodeError`` from the user's own code,
+        a data error), also through a worker that waited on another group; None for any other failure (a bug, a
+        dead actor), which keeps its remote traceback."""
+        original = getattr(self.cause, "cause", None)
+        if isinstance(original, WorkerError):
+            return original.user_error
+        return original if isinstance(original, UserError) else None
 
 
 def get_outputs(refs: Sequence[ray.ObjectRef], ranks: Sequence[int], group: str, method: str) -> list[Any]:

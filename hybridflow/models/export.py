@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from hybridflow.models.files import match_umask
 from hybridflow.models.lora import is_lora_checkpoint
 from hybridflow.models.lora_export import merged_state_dict, save_adapter
 from hybridflow.models.megatron_export import is_megatron_checkpoint, megatron_state_dict
@@ -43,7 +44,8 @@ def load_actor_state_dict(checkpoint_dir: str) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(checkpoint_dir: str, out_dir: str, adapter_only: bool = False) -> str:
-    """Write ``out_dir`` loadable by ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer``; a LoRA
+    """Write ``out_dir`` loadable by ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer`` (the weight
+    files with the umask's mode, like the files beside them: :func:`~hybridflow.models.files.match_umask`); a LoRA
     checkpoint is merged (W + (alpha / r) B A), or with ``adapter_only`` written as a peft adapter directory
     (see :mod:`hybridflow.models.lora_export`).
 
@@ -63,6 +65,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, adapter_only: bool = Fa
     if adapter_only:
         save_adapter(hf, state, config, out_dir)
         AutoTokenizer.from_pretrained(hf).save_pretrained(out_dir)
+        match_umask(out_dir)  # the weights readable like the config beside them
         return out_dir
     if lora:
         state = merged_state_dict(hf, state)
@@ -73,6 +76,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str, adapter_only: bool = Fa
         raise ValueError(f"checkpoint {checkpoint_dir!r} does not match its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     model.save_pretrained(out_dir)
+    match_umask(out_dir)  # safetensors writes 0600: the weights readable like the config beside them
     AutoTokenizer.from_pretrained(hf).save_pretrained(out_dir)
     if os.path.exists(os.path.join(hf, "generation_config.json")):
         GenerationConfig.from_pretrained(hf).save_pretrained(out_dir)

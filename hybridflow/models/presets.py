@@ -13,6 +13,7 @@ import shutil
 import torch
 
 from hybridflow.models.builtin import resolve_model_path
+from hybridflow.models.files import match_umask
 
 PRESETS: dict[str, dict] = {
     "medium": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -35,6 +36,7 @@ def build_preset(name: str, out_dir: str, seed: int = 0) -> str:
         setattr(config, key, value)
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(out_dir)
+    match_umask(out_dir)
     for file in _TOKENIZER_FILES:
         if os.path.exists(os.path.join(base, file)):
             shutil.copy(os.path.join(base, file), out_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from hybridflow.errors import UserCodeError
 from hybridflow.protocol import DataProto
 from hybridflow.rewards import ComputeScoreFn, get_reward_fn
 
@@ -66,8 +67,10 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
         KeyError: a required column is missing.
         ValueError: ``len(texts) != N``, or (without ``compute_score``) a row's ``data_source`` has no registered
             reward.
-        RuntimeError: a scoring function raised and ``error_score`` is None; the message names the row
-            (its ``index`` column when present), its data_source and the start of the response.
+        UserCodeError: a user's scoring function raised and ``error_score`` is None: one line naming the row (its
+            ``index`` column when present), its data_source and the start of the response, and the user's frames
+            (also a ``RuntimeError``).
+        RuntimeError: one of hybridflow's own scorers raised (the same message; the traceback is kept).
     """
     if texts is None:
         texts = decode_responses(tokenizer, data)
@@ -92,12 +95,19 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
             errors.append(False)
         except Exception as err:
             if error_score is None:
-                sample = nt["index"][i] if "index" in nt else i
-                raise RuntimeError(
-                    f"reward function failed on sample index={sample} (data_source={nt['data_source'][i]!r}, "
-                    f"response={text[:200]!r}): {type(err).__name__}: {err}; set reward_model.error_score "
-                    "to score such samples instead of stopping"
-                ) from err
+                raise _reward_error(err, compute_score or reward, nt, i, text) from err
             scores.append(float(error_score))
             errors.append(True)
     return (scores, errors) if return_errors else scores
+
+
+def _reward_error(err: Exception, fn: Any, nt: dict, row: int, text: str) -> RuntimeError:
+    """The error that stops scoring at row ``row``: a :class:`~hybridflow.errors.UserCodeError` (one line and the
+    user's frames) when ``err`` came through the user's own code, else a ``RuntimeError`` (hybridflow's own
+    scorer failed: a bug, with its traceback). Both name the sample (its ``index`` column when present), its
+    data_source and the start of the response."""
+    sample = nt["index"][row] if "index" in nt else row
+    where = (f"reward function {getattr(fn, '__name__', fn)!s} failed on sample index={sample} "
+             f"(data_source={nt['data_source'][row]!r}, response={text[:200]!r})")
+    hint = "set reward_model.error_score to score such samples instead of stopping"
+    return UserCodeError.wrap(err, where, hint) or RuntimeError(f"{where}: {type(err).__name__}: {err}; {hint}")

@@ -9,11 +9,12 @@ import os
 
 from typing import Any, Callable, Iterator, Optional
 
-from hybridflow.errors import TrainingInterrupted, UserError
+from hybridflow.errors import TrainingInterrupted, UserCodeError, UserError
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.driver import get_driver
 from hybridflow.trainer.loop import TrainLoop
+from hybridflow.trainer.run_lock import run_dir_lock
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils import startup
 from hybridflow.utils.progress import RunProgress
@@ -25,21 +26,29 @@ logger = logging.getLogger(__name__)
 def run_ppo(config: Any) -> dict:
     """Train per ``config`` (a validated config from :func:`hybridflow.config.load_config`) with the driver
     ``algorithm.driver`` (the PPO family by default). Returns the last validation metrics. Shuts down a Ray
-    cluster it started itself.
+    cluster it started itself. Holds the run directory's lock (:mod:`hybridflow.trainer.run_lock`) throughout.
 
     Raises:
         DataError: bad data (see :func:`~hybridflow.trainer.setup.build_data`), before Ray starts.
+        RunDirInUseError: another live run holds ``trainer.default_local_dir`` (a ``UserError`` naming its pid,
+            host, start time and lock file), before Ray starts. The lock is released on every exit.
         TrainingInterrupted: Ctrl-C (SIGINT, ``KeyboardInterrupt``); raised after the worker groups are removed
             and Ray is shut down, naming the last complete step and the latest complete checkpoint. Everything
             already written stays: checkpoints are renamed into place only when complete, and every step's
             metrics row is flushed when logged.
     """
-    import ray
-
     startup.begin_if_idle()
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
     _check_start(config)
-    total = total_training_steps(config, steps_per_epoch)
+    with run_dir_lock(config.trainer.default_local_dir):  # a second live run into this directory is refused
+        return _run_locked(config, train_batches, val_data, total_training_steps(config, steps_per_epoch))
+
+
+def _run_locked(config: Any, train_batches: Callable[[int], Iterator[DataProto]], val_data: DataProto,
+                total: int) -> dict:
+    """:func:`run_ppo` once the run directory's lock is held: resume check, Ray, worker groups, training."""
+    import ray
+
     checkpoints = CheckpointManager(config.trainer.default_local_dir)
     start = _prepare_run_dir(config, checkpoints, total)
     if start is None:
@@ -129,6 +138,9 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
 
     Raises:
         TrainingInterrupted: Ctrl-C during training (names the last logged step and the latest checkpoint).
+        UserCodeError: an exception raised in the user's own code on the driver (a driver plugin), as one line
+            and the user's frames (:meth:`~hybridflow.errors.UserCodeError.wrap`); hybridflow's own errors and
+            the workers' (``WorkerError``) are raised as they are.
     """
     _tidy_metrics(config.trainer.default_local_dir, start)  # the workers are up: the run starts now
     tracker = RunProgress(Tracking(
@@ -146,6 +158,13 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
         raise TrainingInterrupted(tracker.last_step, total, latest) from None
+    except UserError:
+        raise
+    except Exception as exc:  # raised in the user's own code on the driver (a driver plugin, a hook it calls)?
+        wrapped = UserCodeError.wrap(exc, f"driver {config.algorithm.driver!r}")
+        if wrapped is None:  # hybridflow's own error (a worker's failure included): a bug, with its traceback
+            raise
+        raise wrapped from exc
     finally:
         tracker.finish()
     logger.info("metrics in %s", os.path.join(config.trainer.default_local_dir, "metrics.jsonl"))
@@ -153,4 +172,17 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
         from hybridflow.utils.plot import write_run_curves  # matplotlib loads only here, at the end
 
         write_run_curves(config.trainer.default_local_dir)
+    logger.info("%s", checkpoint_summary(config.trainer.save_freq, tracker.last_step,
+                                         CheckpointManager(config.trainer.default_local_dir).latest()))
     return result
+
+
+def checkpoint_summary(save_freq: int, last_step: int, latest: Optional[str]) -> str:
+    """The run's last log line: where its weights are. A run with ``save_freq`` > 0 checkpoints its last step
+    (``latest``); with ``save_freq`` <= 0 it saved none, so the trained weights of ``last_step`` are gone with the
+    workers (``latest``: an earlier run's checkpoint in the same directory, or None)."""
+    if save_freq > 0:
+        return f"latest checkpoint: {latest} (hybridflow export {latest} OUT_DIR writes a Hugging Face model)"
+    earlier = f"; the run directory's latest checkpoint is the earlier {latest}" if latest else ""
+    return (f"no checkpoint saved (trainer.save_freq={save_freq}): the trained weights of step {last_step} were not "
+            f"kept{earlier}; set trainer.save_freq=N to checkpoint every N steps and the last")

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's token authentication: "token" or "disabled" (read at ray.init)
+
 def init_ray(config: DictConfig) -> bool:
     """Connect to ``RAY_ADDRESS`` / ``trainer.ray_init.address`` if set (the cluster's own node IPs are used),
     else start a local cluster (with ``trainer.ray_init.num_cpus`` logical CPUs, default max(cores, ranks of all
@@ -116,6 +118,11 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
     loopback ``host`` Ray's single-machine mode (the one it uses on macOS/Windows: ``ENABLE_RAY_CLUSTER`` false,
     env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) is switched on for the duration of ``ray.init`` only; the
     started processes take the node IP from their command line.
+
+    A loopback cluster starts without Ray's token authentication (``RAY_AUTH_MODE=disabled`` in this process's
+    environment, which the started processes inherit; Ray 2.60 otherwise turns it on for every new local cluster,
+    writes ``~/.ray/auth_token`` and warns at each start). A ``RAY_AUTH_MODE`` the user set is kept, and a cluster
+    on another address keeps Ray's default.
     """
     import ray
     from ray._private import ray_constants
@@ -128,6 +135,8 @@ def _start_local_ray(num_cpus: int, host: str) -> None:
     saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
     if single_machine:
         ray_constants.ENABLE_RAY_CLUSTER = False
+    if is_loopback(host):  # only this machine can reach the cluster: no token (Ray's default makes one and warns)
+        os.environ.setdefault(RAY_AUTH_MODE, "disabled")
     try:
         # address="local": always a new cluster, never one that another `ray start` left on this machine
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=host,

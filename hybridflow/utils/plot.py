@@ -59,14 +59,27 @@ def read_metrics(run_dir: str | Path) -> Series:
     A step logged twice (a resumed run that re-did steps) keeps its last value; non-finite values are dropped.
 
     Raises:
-        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl`` (the run did not use the ``jsonl`` logger).
-        ValueError: a line that is not a JSON object with an integer ``step`` (the message gives file and line).
+        FileNotFoundError: ``run_dir`` does not exist, or has no ``metrics.jsonl`` (a run that has logged no step
+            yet, or one without the ``jsonl`` logger); one line naming the file.
+        ValueError: a line that is not a JSON object with an integer ``step`` (the message gives file and line);
+            a ``metrics.jsonl`` without a step (one line naming the file).
     """
     path = Path(run_dir) / METRICS_FILE
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{path} not found: there is no directory {run_dir} (a run's "
+                                "trainer.default_local_dir)")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: is {run_dir} a run directory (trainer.default_local_dir) of a "
-                                f"run with the jsonl logger?")
-    by_metric: dict[str, dict[int, float]] = {}
+        raise FileNotFoundError(f"{path} not found: the run in {run_dir} has logged no step yet, or it runs "
+                                "without the jsonl logger (trainer.logger)")
+    by_metric = _read_rows(path)
+    if by_metric is None:
+        raise ValueError(f"{path} has no step: the run in {run_dir} has logged no step yet")
+    return {name: sorted(points.items()) for name, points in by_metric.items()}
+
+
+def _read_rows(path: Path) -> dict[str, dict[int, float]] | None:
+    """metric -> {step: value} of the rows of ``path`` (None when it has no row); raises as :func:`read_metrics`."""
+    by_metric: dict[str, dict[int, float]] | None = None
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -76,10 +89,11 @@ def read_metrics(run_dir: str | Path) -> Series:
                 step = int(row.pop("step"))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: not a metrics line with a step ({exc})") from exc
+            by_metric = {} if by_metric is None else by_metric
             for name, value in row.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     by_metric.setdefault(name, {})[step] = float(value)
-    return {name: sorted(points.items()) for name, points in by_metric.items()}
+    return by_metric
 
 
 def plot_runs(run_dirs: Sequence[str | Path], metrics: Sequence[str] | None = None,

@@ -27,8 +27,9 @@ The last three (``REMOTE_BACKENDS``) get the resolved config as the run's hyper-
 swanlab, dotted keys for mlflow) and are optional extras: ``pip install -e ".[wandb]"`` (``mlflow``, ``swanlab``,
 ``tensorboard`` alike).
 
-The console line reads the metric names defined by the ``METRIC_*`` constants below, plus every key starting
-with ``VAL_PREFIX``; producers of metrics should use these names.
+The console line reads the metric names defined by the ``METRIC_*`` constants below and ``val/score``, plus the
+keys starting with ``VAL_PREFIX`` that fit in ``CONSOLE_LINE_MAX`` characters; producers of metrics should use
+these names.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridflow.utils.progress import write_line
+from hybridflow.utils.progress import RUN_VAL_METRIC, write_line
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ METRIC_ENTROPY = "actor/entropy"  # mean per-token entropy of the actor policy, 
 METRIC_RESPONSE_LENGTH = "response_length/mean"  # mean response length, tokens
 METRIC_STEP_TIME = "timing_s/step"  # wall-clock seconds of the whole training step
 METRIC_THROUGHPUT = "perf/throughput"  # tokens (prompt + response) trained on per second of step time
-VAL_PREFIX = "val/"  # every validation metric (e.g. ``val/score``) is shown when present
+VAL_PREFIX = "val/"  # validation metrics (e.g. ``val/score/<source>``) are shown while the line has room
+CONSOLE_LINE_MAX = 200  # characters of the console line; the other val/ metrics that do not fit are counted
 
 
 class Tracking:
@@ -201,20 +203,32 @@ def set_metrics_aside(local_dir: str | Path) -> Path | None:
 
 
 def format_console_line(metrics: Mapping[str, float], step: int) -> str:
-    """The one-line console summary of a step, e.g. ``step 12 | reward 0.41 | kl 0.003 | 3.1s | 812 tok/s``."""
-    fields = [f"step {step}"]
+    """The one-line console summary of a step, e.g. ``step 12 | reward 0.41 | kl 0.003 | 3.1s | 812 tok/s``: the
+    fixed fields (reward, kl, entropy, resp_len, ``val/score``, step time, throughput) when present, then the
+    other ``val/`` metrics in their order while the line stays within :data:`CONSOLE_LINE_MAX` characters; the
+    ones left out are counted (``+N val/ metrics``). Every metric goes to the other backends in full."""
+    head = [f"step {step}"]
     reward = metrics.get(METRIC_REWARD, metrics.get(METRIC_SCORE))
     for label, value in (("reward", reward), ("kl", metrics.get(METRIC_KL)),
                          ("entropy", metrics.get(METRIC_ENTROPY)),
-                         ("resp_len", metrics.get(METRIC_RESPONSE_LENGTH))):
+                         ("resp_len", metrics.get(METRIC_RESPONSE_LENGTH)),
+                         (RUN_VAL_METRIC, metrics.get(RUN_VAL_METRIC))):
         if value is not None:
-            fields.append(f"{label} {_short(value)}")
-    fields += [f"{name} {_short(value)}" for name, value in metrics.items() if name.startswith(VAL_PREFIX)]
+            head.append(f"{label} {_short(value)}")
+    tail = []
     if METRIC_STEP_TIME in metrics:
-        fields.append(f"{metrics[METRIC_STEP_TIME]:.1f}s")
+        tail.append(f"{metrics[METRIC_STEP_TIME]:.1f}s")
     if METRIC_THROUGHPUT in metrics:
-        fields.append(f"{metrics[METRIC_THROUGHPUT]:.0f} tok/s")
-    return " | ".join(fields)
+        tail.append(f"{metrics[METRIC_THROUGHPUT]:.0f} tok/s")
+    others = [f"{name} {_short(value)}" for name, value in metrics.items()
+              if name.startswith(VAL_PREFIX) and name != RUN_VAL_METRIC]
+    shown = len(others)
+    while True:  # as many as fit, with the count of the rest
+        left = len(others) - shown
+        line = " | ".join(head + others[:shown] + tail + ([f"+{left} val/ metrics"] if left else []))
+        if len(line) <= CONSOLE_LINE_MAX or shown == 0:
+            return line
+        shown -= 1
 
 
 def _short(value: float) -> str:

@@ -2,6 +2,7 @@
 their checkpoint."""
 
 import json
+import os
 import re
 
 import pytest
@@ -42,7 +43,13 @@ def test_ppo_steps_through_ray(quickstart_run, tmp_path):
 
     # the checkpoint exports to a Hugging Face directory that plain transformers loads with the trained weights
     export_dir = tmp_path / "export"
-    assert main(["export", str(out / "global_step_2"), str(export_dir)]) == 0
+    umask = os.umask(0o022)
+    try:
+        assert main(["export", str(out / "global_step_2"), str(export_dir)]) == 0
+    finally:
+        os.umask(umask)
+    # the weights are readable like the config beside them (safetensors alone writes them 0600)
+    assert {f.name: f.stat().st_mode & 0o777 for f in export_dir.glob("*.safetensors")} == {"model.safetensors": 0o644}
     trained = load_actor_state_dict(str(out / "global_step_2"))
     model = AutoModelForCausalLM.from_pretrained(export_dir)
     tokenizer = AutoTokenizer.from_pretrained(export_dir)

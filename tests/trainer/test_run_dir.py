@@ -102,6 +102,17 @@ def test_cli_refuses_another_recipe_in_a_directory_with_a_ppo_checkpoint(tmp_pat
     assert "Traceback" not in proc.stderr
 
 
+def test_the_last_log_line_says_where_the_weights_are():
+    saved = trainer_main.checkpoint_summary(5, 12, "/runs/a/global_step_12")
+    assert saved.startswith("latest checkpoint: /runs/a/global_step_12 ") and "hybridflow export" in saved
+    none = trainer_main.checkpoint_summary(-1, 3, None)
+    assert none.startswith("no checkpoint saved (trainer.save_freq=-1): the trained weights of step 3 were not kept")
+    assert "earlier" not in none and "\n" not in none
+    # resumed from an older run's checkpoint, then run without saving: that older checkpoint is all there is
+    older = trainer_main.checkpoint_summary(-1, 9, "/runs/a/global_step_4")
+    assert "step 9 were not kept" in older and "the earlier /runs/a/global_step_4" in older
+
+
 # ---------------------------------------------------------------------------------------------- real runs
 
 TINY = ["data.builtin_train_size=16", "data.train_batch_size=4", "data.builtin_val_size=4",

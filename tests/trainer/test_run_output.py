@@ -33,11 +33,17 @@ def test_piped_output_is_plain_lines_naming_each_phase(quickstart_run):
     text = quickstart_run.output
     assert quickstart_run.returncode == 0, text[-3000:]
     assert "\r" not in text and "\x1b" not in text
+    assert "Token authentication" not in text  # the run's own loopback cluster starts without Ray's token warning
     for phase in ("starting worker groups: actor", "worker group actor up", "validation (greedy): 8 prompts",
                   "validation (greedy): 8/8 prompts (100%)", "saving the checkpoint of step 2",
                   "train: 2/2 steps (100%)"):
         assert phase in text, phase
     assert re.search(r"^step 2 \| reward", text, re.MULTILINE)  # the per-step line is still there
+    step_lines = re.findall(r"^step \d+ \|.*$", text, re.MULTILINE)
+    assert len(step_lines) == 3 and max(map(len, step_lines)) <= 200, step_lines  # steps 0 (validation), 1, 2
+    # the run's last log record says where its weights are: the checkpoint of its last step
+    records = re.findall(r"^\S+ \S+ (?:INFO|WARNING) hybridflow\S*: (.*)$", text, re.MULTILINE)
+    assert records[-1].startswith(f"latest checkpoint: {quickstart_run.run_dir / 'global_step_2'} "), records[-3:]
 
 
 def _reader(fd: int, chunks: list[bytes]) -> None:

@@ -104,7 +104,22 @@ def test_cli_plot(tmp_path, capsys):
     with Image.open(out) as image:
         assert image.size == (500, 340)  # one panel
     assert main(["plot", str(tmp_path / "missing")]) == 1
-    assert "metrics.jsonl not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "metrics.jsonl not found" in err and f"there is no directory {tmp_path / 'missing'} " in err
+
+
+@pytest.mark.parametrize("metrics_file", ["empty", "blank_lines", "missing"])
+def test_cli_plot_of_a_run_without_steps_is_one_line_naming_the_file(tmp_path, capsys, metrics_file):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("trainer: {}\n")  # a run that started and has logged no step
+    if metrics_file != "missing":
+        (run / "metrics.jsonl").write_text("" if metrics_file == "empty" else "\n  \n")
+    assert main(["plot", str(run)]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("error: "), out.err
+    assert f"{run / 'metrics.jsonl'} " in out.err and "has logged no step yet" in out.err
+    assert not (run / "curves.png").exists()
 
 
 def test_run_end_curves(tmp_path):

@@ -61,6 +61,24 @@ def test_console_line_falls_back_to_score_and_omits_absent_fields():
     assert format_console_line({"response_length/mean": 1234.4}, step=1) == "step 1 | resp_len 1234"
 
 
+def test_console_line_of_40_metrics_keeps_the_fixed_fields_within_200_characters():
+    metrics = {"critic/score/mean": 0.5, "rollout/kl": 0.003, "actor/entropy": 0.85, "response_length/mean": 14.2,
+               "val/score": 0.62, "timing_s/step": 3.14, "perf/throughput": 812.4}
+    metrics.update({f"actor/loss_{i}": 0.1 for i in range(13)})  # training metrics: never on the line
+    metrics.update({f"val/score/source_{i:02d}": 0.25 for i in range(20)})  # 20 x 25 characters: not all fit
+    assert len(metrics) == 40
+    line = format_console_line(metrics, step=7)
+    assert len(line) <= 200, line
+    assert line.startswith("step 7 | reward 0.5 | kl 0.003 | entropy 0.85 | resp_len 14.2 | val/score 0.62 | ")
+    fields = line.split(" | ")
+    shown = [f for f in fields if f.startswith("val/score/source_")]
+    assert shown == [f"val/score/source_{i:02d} 0.25" for i in range(len(shown))] and 0 < len(shown) < 20
+    assert fields[-3:] == ["3.1s", "812 tok/s", f"+{20 - len(shown)} val/ metrics"]
+    assert "actor/loss" not in line
+    # one more source would not fit: the line is as full as the cap allows
+    assert len(line) + len(" | val/score/source_xx 0.25") > 200
+
+
 def test_unknown_backend_lists_known_ones(tmp_path):
     known = "known: console, jsonl, tensorboard, wandb, mlflow, swanlab"
     with pytest.raises(ValueError, match=rf"unknown tracking backend\(s\) \['wandbb'\]; {known}"):
