@@ -329,6 +329,7 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
     plot_curves: bool = True  # at the end, draw metrics.jsonl's standard panels into <default_local_dir>/curves.png
     seed: int = 1  # model init / sampling seed
+    colocate_roles: bool = True  # roles mapped to one resource pool share one worker process per rank (false: one each)
     # user modules (names on PYTHONPATH or .py file paths) imported on the driver before the config is validated
     # and in every worker before any lookup: they register drivers, losses, rewards, rollouts, tools by name
     plugins: list[str] = field(default_factory=list)

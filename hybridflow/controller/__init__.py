@@ -16,8 +16,10 @@ from hybridflow.controller.futures import DataProtoFuture, WorkerError
 from hybridflow.controller.resource_pool import ResourceError, ResourcePool, ResourcePoolManager
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
+from hybridflow.controller.colocated import ColocatedWorkerGroup, can_colocate, create_colocated, create_groups
 
 __all__ = [
+    "ColocatedWorkerGroup",
     "DataProtoFuture",
     "Dispatch",
     "DispatchError",
@@ -33,6 +35,9 @@ __all__ = [
     "ResourcePoolManager",
     "Worker",
     "WorkerError",
+    "can_colocate",
+    "create_colocated",
+    "create_groups",
     "get_dispatch_mode",
     "get_method_spec",
     "register",

@@ -10,7 +10,9 @@ also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blo
 no driver round trip between the two (Ray holds the call until ``previous``'s outputs exist).
 
 Roles that share memory run in one worker class (``ActorRolloutRefWorker`` holds actor, rollout and reference);
-roles in separate groups share devices through their resource pool.
+roles in separate groups share devices through their resource pool, each in its own processes, or colocated in one
+process per rank (``colocated.py``: one actor per bundle holding an instance of each class, one group view per
+class).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from hybridflow.controller.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayClassWithInitArgs", "RayWorkerGroup"]
+__all__ = ["ActorSet", "RayClassWithInitArgs", "RayWorkerGroup", "placements_of", "share_of"]
 
 
 class RayClassWithInitArgs:
@@ -120,7 +122,8 @@ class _WorkerGroupBase:
             DispatchError: the layout is invalid (dp ranks with a gap, not exactly one collector per dp rank).
         """
         if mesh_name not in self._mesh_cache:
-            refs = [w._query_dispatch_info.remote(mesh_name) for w in self._workers]
+            remote = self._remote_name("_query_dispatch_info")
+            refs = [getattr(w, remote).remote(mesh_name) for w in self._workers]
             infos = get_outputs(refs, range(len(refs)), self._name, "_query_dispatch_info")
             self._mesh_cache[mesh_name] = MeshDispatchInfo(
                 mesh_name, tuple(int(d) for d, _ in infos), tuple(bool(c) for _, c in infos)
@@ -129,6 +132,7 @@ class _WorkerGroupBase:
 
     # ------------------------------------------------------------------ raw execution
     def _remote_name(self, method_name: str) -> str:
+        """The name of ``method_name`` on the Ray actor (a colocated group's view adds its role's prefix)."""
         return method_name
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
@@ -227,6 +231,90 @@ class _WorkerGroupBase:
         return f"{type(self).__name__}({self._name!r}, world_size={self.world_size})"
 
 
+def placements_of(resource_pool: ResourcePool) -> list[tuple[Any, int, int]]:
+    """``(placement group, bundle index, bundles on that node)`` per rank of a group on ``resource_pool``.
+
+    Raises:
+        ValueError: the pool has no placement groups (removed)."""
+    placements = [
+        (pg, index, count)
+        for pg, count in zip(resource_pool.placement_groups, resource_pool.process_on_nodes)
+        for index in range(count)
+    ]
+    if not placements:
+        raise ValueError(f"{resource_pool!r} has no placement groups (was it removed?)")
+    return placements
+
+
+class ActorSet:
+    """The Ray actors behind one group (or behind several colocated groups, ``colocated.py``): one per rank,
+    rank ``r`` in bundle ``r``, each constructed as ``actor_cls(env, *args, **kwargs)`` where ``env`` is the rank's
+    environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, the extra ``env``, the master
+    address, and ``CUDA_VISIBLE_DEVICES=""`` without GPUs). ``name`` names the set in errors and logs,
+    ``label`` what runs in it (class names). ``workers`` is filled by :meth:`start_all` and shared with the group
+    objects that call the actors."""
+
+    def __init__(self, name: str, label: str, actor_cls: Any, placements: list, options: dict, args: tuple,
+                 kwargs: dict, use_gpu: bool, bin_pack: bool = True, env: Optional[dict[str, str]] = None) -> None:
+        self.name, self.label, self.workers = name, label, []
+        self._actor_cls, self._placements, self._options = actor_cls, placements, options
+        self._args, self._kwargs = args, kwargs
+        self._use_gpu, self._bin_pack, self._env = use_gpu, bin_pack, dict(env or {})
+
+    def _start_rank(self, rank: int, master: dict[str, Optional[str]]) -> Any:
+        pg, index, count = self._placements[rank]
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=index if self._bin_pack else -1
+        )
+        env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
+               "LOCAL_WORLD_SIZE": str(count), **self._env, **master}
+        if not self._use_gpu:  # a worker that reserved no GPU sees none (so it runs on CPU, gloo)
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        worker = self._actor_cls.options(scheduling_strategy=strategy, **self._options).remote(
+            env, *self._args, **self._kwargs
+        )
+        self.workers.append(worker)
+        return worker
+
+    @staticmethod
+    def start_all(sets: Sequence["ActorSet"]) -> None:
+        """Start the ranks of several sets in three overlapped waves: every set's rank 0, then (once each
+        rank 0 named its master address) every other rank, then wait for all of them.
+
+        Raises:
+            WorkerError: a rank's ``__init__`` failed or its actor died (every started actor is killed)."""
+        started: list[ActorSet] = []
+        try:
+            rank0 = {}
+            for actors in sets:
+                started.append(actors)
+                rank0[id(actors)] = actors._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
+            pending = []
+            for actors in sets:
+                worker = rank0[id(actors)]
+                get_outputs([worker.__ray_ready__.remote()], [0], actors.name, "__init__")
+                addr, port = get_outputs([worker.get_master_addr_port.remote()], [0], actors.name,
+                                         "get_master_addr_port")[0]
+                master = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
+                others = [actors._start_rank(r, master) for r in range(1, len(actors._placements))]
+                pending.append((actors, others, f"{addr}:{port}"))
+            for actors, others, master in pending:
+                get_outputs([w.__ray_ready__.remote() for w in others], range(1, len(actors._placements)),
+                            actors.name, "__init__")
+                logger.info("worker group %s: %d ranks of %s, master %s", actors.name, len(actors._placements),
+                            actors.label, master)
+        except BaseException:
+            for actors in started:
+                actors.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Kill every actor. Safe to call twice."""
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers.clear()
+
+
 class RayWorkerGroup(_WorkerGroupBase):
     """One Ray actor per bundle of ``resource_pool``, running ``ray_cls_with_init``; registered methods bound.
 
@@ -244,7 +332,8 @@ class RayWorkerGroup(_WorkerGroupBase):
             ``Worker.__init__`` imports, ``HYBRIDFLOW_PLUGINS``).
 
     Rank 0 starts first and picks ``MASTER_ADDR``/``MASTER_PORT``; the other ranks start with them. The
-    constructor returns once every rank's ``__init__`` finished.
+    constructor returns once every rank's ``__init__`` finished. Several classes in one process per rank:
+    :func:`hybridflow.controller.colocated.create_colocated`.
 
     Raises:
         TypeError: ``ray_cls_with_init`` is not a ``RayClassWithInitArgs``.
@@ -267,79 +356,21 @@ class RayWorkerGroup(_WorkerGroupBase):
         if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}")
         cls = ray_cls_with_init.cls
-        super().__init__(name_prefix or f"{cls.__name__}_{uuid.uuid4().hex[:6]}", [], {})
-        self._cls = cls
-        placements = [
-            (pg, index, count)
-            for pg, count in zip(resource_pool.placement_groups, resource_pool.process_on_nodes)
-            for index in range(count)
-        ]
-        if not placements:
-            raise ValueError(f"{resource_pool!r} has no placement groups (was it removed?)")
-        # Bind first: a bad registration fails before any actor starts.
+        name = name_prefix or f"{cls.__name__}_{uuid.uuid4().hex[:6]}"
+        placements = placements_of(resource_pool)
+        actors = ActorSet(name, cls.__name__, ray.remote(_with_env(cls)), placements,
+                          {**share_of(resource_pool, 1 / resource_pool.max_colocate_count, num_cpus_per_worker),
+                           # a Worker class may ask for more Ray actor options, e.g. {"max_concurrency": 4} for
+                           # methods that run at the same time as another call (in threads)
+                           **getattr(cls, "ray_actor_options", {})},
+                          ray_cls_with_init.args, ray_cls_with_init.kwargs, resource_pool.use_gpu, bin_pack, env)
+        super().__init__(name, actors.workers, {})  # the group's workers are its actor set's (filled at start)
         for method_name, spec in get_registered_methods(cls).items():
             self._bind(method_name, method_name, spec, getattr(cls, method_name).__doc__)
-
-        share = resource_pool.max_colocate_count
-        self._options = {
-            "num_cpus": resource_pool.cpus_per_bundle / share if num_cpus_per_worker is None else num_cpus_per_worker,
-            "num_gpus": 1 / share if resource_pool.use_gpu else 0,
-            # a Worker class may ask for more Ray actor options, e.g. {"max_concurrency": 4} for methods that
-            # run at the same time as another call (in threads)
-            **getattr(cls, "ray_actor_options", {}),
-        }
-        self._actor_cls = ray.remote(_with_env(cls))
-        self._use_gpu = resource_pool.use_gpu
-        self._placements = placements
-        self._init = ray_cls_with_init
-        self._bin_pack = bin_pack
-        self._env = dict(env or {})
+        self._cls = cls
+        self._actors = actors
         if _start:
-            RayWorkerGroup._start_all([self])
-
-    def _start_rank(self, rank: int, master: dict[str, Optional[str]]) -> Any:
-        pg, index, count = self._placements[rank]
-        strategy = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=index if self._bin_pack else -1
-        )
-        env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
-               "LOCAL_WORLD_SIZE": str(count), **self._env, **master}
-        if not self._use_gpu:  # a worker that reserved no GPU sees none (so it runs on CPU, gloo)
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        worker = self._actor_cls.options(scheduling_strategy=strategy, **self._options).remote(
-            env, *self._init.args, **self._init.kwargs
-        )
-        self._workers.append(worker)
-        return worker
-
-    @staticmethod
-    def _start_all(groups: Sequence["RayWorkerGroup"]) -> None:
-        """Start the ranks of several groups in three overlapped waves: every group's rank 0, then (once each
-        rank 0 named its master address) every other rank, then wait for all of them."""
-        started: list[RayWorkerGroup] = []
-        try:
-            rank0 = {}
-            for group in groups:
-                started.append(group)
-                rank0[group._name] = group._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
-            pending = []
-            for group in groups:
-                worker = rank0[group._name]
-                get_outputs([worker.__ray_ready__.remote()], [0], group._name, "__init__")
-                addr, port = get_outputs([worker.get_master_addr_port.remote()], [0], group._name,
-                                         "get_master_addr_port")[0]
-                master = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-                others = [group._start_rank(r, master) for r in range(1, len(group._placements))]
-                pending.append((group, others, f"{addr}:{port}"))
-            for group, others, master in pending:
-                get_outputs([w.__ray_ready__.remote() for w in others], range(1, len(group._placements)),
-                            group._name, "__init__")
-                logger.info("worker group %s: %d ranks of %s, master %s", group._name, len(group._placements),
-                            group._cls.__name__, master)
-        except BaseException:
-            for group in started:
-                group.shutdown()
-            raise
+            ActorSet.start_all([actors])
 
     @classmethod
     def create_many(
@@ -350,11 +381,16 @@ class RayWorkerGroup(_WorkerGroupBase):
         the extra environment ``env``; their processes start concurrently (faster than one group after the
         other). Raises like the constructor."""
         groups = [cls(pool, cls_with_init, name, env=env, _start=False) for pool, cls_with_init, name in specs]
-        cls._start_all(groups)
+        ActorSet.start_all([group._actors for group in groups])
         return groups
 
     def shutdown(self) -> None:
         """Kill every actor of the group. Safe to call twice."""
-        for worker in self._workers:
-            ray.kill(worker)
-        self._workers.clear()
+        self._actors.shutdown()
+
+
+def share_of(resource_pool: ResourcePool, fraction: float, num_cpus: Optional[float] = None) -> dict[str, float]:
+    """Ray actor options for an actor that takes ``fraction`` of each bundle of ``resource_pool`` (``num_cpus``
+    CPUs instead, when given): ``num_cpus`` and ``num_gpus`` (0 on a CPU pool)."""
+    return {"num_cpus": resource_pool.cpus_per_bundle * fraction if num_cpus is None else num_cpus,
+            "num_gpus": fraction if resource_pool.use_gpu else 0}

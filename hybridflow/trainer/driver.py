@@ -66,12 +66,16 @@ class Role:
         args: the role's extra arguments (e.g. which roles an actor worker holds), passed on after ``(config,
             total_steps)`` to ``inputs`` (without ``inputs``: after ``config`` to the worker).
         checkpointed: the group's shards are part of a checkpoint (saved under ``<ckpt>/<role>``).
+        strategy_key: the config key naming the training engine the worker builds (its ``strategy``), None when it
+            builds none; two roles whose engines keep process-wide state (``process_wide_state`` in
+            :data:`hybridflow.training.ENGINES`) are not colocated in one process (``trainer.colocate_roles``).
     """
 
     worker: Union[str, type]
     inputs: Optional[Callable[..., tuple]] = None
     args: tuple = ()
     checkpointed: bool = False
+    strategy_key: Optional[str] = None
 
     def worker_class(self) -> type:
         """The worker class (imports ``"module:Class"``)."""

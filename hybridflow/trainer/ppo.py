@@ -52,12 +52,14 @@ def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str
     :func:`~hybridflow.config.need_critic`, ``reward_model`` with ``reward_model.enable``."""
     from hybridflow.config import need_critic
 
-    roles = {"actor": Role(ACTOR, actor_args, (actor_role,), checkpointed=True),
+    roles = {"actor": Role(ACTOR, actor_args, (actor_role,), checkpointed=True,
+                           strategy_key="actor_rollout_ref.actor.strategy"),
              "reward": Role(RULE_REWARD, rule_reward_args)}
     if need_critic(config):
-        roles["critic"] = Role(CRITIC, critic_args, checkpointed=True)
+        roles["critic"] = Role(CRITIC, critic_args, checkpointed=True, strategy_key="critic.strategy")
     if config.reward_model.enable:
-        roles["reward_model"] = Role(SCORE_MODEL, score_model_args, ("reward_model",))
+        roles["reward_model"] = Role(SCORE_MODEL, score_model_args, ("reward_model",),
+                                     strategy_key="reward_model.strategy")
     return roles
 
 

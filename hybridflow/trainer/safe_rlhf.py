@@ -57,9 +57,10 @@ class SafeRLHFTrainer(Driver):
         """The PPO roles (the config check makes sure the reward critic is among them), a ``cost_critic`` with the
         critic's settings and, with ``cost_model.enable``, a ``cost_model``."""
         roles = common_roles(config)
-        roles["cost_critic"] = Role(CRITIC, critic_args, checkpointed=True)
+        roles["cost_critic"] = Role(CRITIC, critic_args, checkpointed=True, strategy_key="critic.strategy")
         if config.cost_model.enable:
-            roles["cost_model"] = Role(SCORE_MODEL, score_model_args, ("cost_model",))
+            roles["cost_model"] = Role(SCORE_MODEL, score_model_args, ("cost_model",),
+                                       strategy_key="cost_model.strategy")
         return roles
 
     @classmethod

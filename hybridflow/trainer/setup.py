@@ -7,11 +7,12 @@ from contextlib import contextmanager
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
 
 import torch
 
-from hybridflow.controller import RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager
+from hybridflow.controller import (ColocatedWorkerGroup, RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager,
+                                   create_groups)
 from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
@@ -212,6 +213,9 @@ def total_training_steps(config: DictConfig, steps_per_epoch: int) -> int:
 
 DEFAULT_POOL = "global_pool"
 
+#: a role's worker group: processes of its own, or a view of processes shared with the other roles of its pool
+WorkerGroup = Union[RayWorkerGroup, ColocatedWorkerGroup]
+
 
 def worker_roles(config: DictConfig) -> dict[str, Role]:
     """The worker groups a run needs, by role: what the driver ``algorithm.driver`` asks for
@@ -261,14 +265,16 @@ def _use_gpu(device: str) -> bool | None:
 
 
 @contextmanager
-def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, RayWorkerGroup]]:
+def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, WorkerGroup]]:
     """Spawn the groups of :func:`worker_roles` on their resource pools (a
     :class:`~hybridflow.controller.ResourcePoolManager` of the pools the roles use; each group has as many ranks as
     its pool; groups on one pool share its devices and take turns; GPUs per ``trainer.device``), each worker
     constructed from its role's inputs (its config section(s) and derived values, :mod:`hybridflow.trainer.
     worker_inputs`; ``total_steps`` sizes the lr schedules), run every group's ``init_model`` concurrently, and
-    yield ``{role: group}``. Every worker imports ``trainer.plugins`` before its
-    own constructor runs. On exit (also on error) the pools are removed, which ends their actors, so a long-lived
+    yield ``{role: group}``. With ``trainer.colocate_roles`` the roles of one pool run in one process per rank
+    (:func:`hybridflow.controller.create_groups`; a class asking for ``max_concurrency > 1``, the async generator,
+    keeps processes of its own), each role still a group of its own (its name, calls, errors). Every worker imports
+    ``trainer.plugins`` before its own constructor runs. On exit (also on error) the pools are removed, which ends their actors, so a long-lived
     Ray cluster is left as it was found."""
     pools_spec, mapping = resource_pool_spec(config)
     log_layouts(config)  # (dp, tp, pp) per role, marking the planned ones (the `layouts` section)
@@ -282,11 +288,12 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Ra
         logger.info("starting worker groups: %s", ", ".join(
             f"{role} ({sum(pools_spec[mapping[role]])} ranks on {mapping[role]})" for role in roles))
         env = plugin_env(config.trainer.plugins)
-        created = RayWorkerGroup.create_many([
+        created = create_groups([
             (manager.get_resource_pool(role),
              RayClassWithInitArgs(spec.worker_class(), *spec.constructor_args(config, total_steps)), role)
-            for role, spec in roles.items()], env=env)
+            for role, spec in roles.items()], env=env, colocate=colocate_roles(config, roles, used))
         groups = dict(zip(roles, created))
+        _log_processes(groups)
         startup.mark("worker processes")
         pending = {role: group.execute_all_async("init_model") for role, group in groups.items()}
         _wait_until_up(groups, pending, start)
@@ -296,7 +303,44 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Ra
         manager.remove()
 
 
-def _wait_until_up(groups: dict[str, RayWorkerGroup], pending: dict[str, list], start: float) -> None:
+def colocate_roles(config: DictConfig, roles: dict[str, Role], mapping: dict[str, str]) -> bool:
+    """Whether the roles of a pool run in one process per rank: ``trainer.colocate_roles``, unless two roles of one
+    pool build training engines that keep process-wide state (megatron-core's parallel state and RNG tracker:
+    ``process_wide_state`` in :data:`hybridflow.training.ENGINES`; the roles' ``strategy_key``), which then could
+    not hold different layouts or seeds (a warning says so and every role gets processes of its own)."""
+    from omegaconf import OmegaConf
+
+    from hybridflow.config.checks import DEFAULT_STRATEGY
+
+    if not config.trainer.colocate_roles:
+        return False
+    engines = {role: OmegaConf.select(config, spec.strategy_key) for role, spec in roles.items() if spec.strategy_key}
+    if all(name == DEFAULT_STRATEGY for name in engines.values()):  # fsdp2 keeps no process-wide state
+        return True
+    from hybridflow.training import ENGINES
+
+    for pool in set(mapping.values()):
+        stateful = [r for r, name in engines.items() if mapping[r] == pool
+                    and ENGINES.meta(name, "process_wide_state", False)]
+        if len(stateful) > 1:
+            logger.warning("roles %s on pool %s train with engines that keep process-wide state (%s): every role "
+                           "runs in processes of its own (trainer.colocate_roles ignored)", stateful, pool,
+                           ", ".join(sorted({engines[r] for r in stateful})))
+            return False
+    return True
+
+
+def _log_processes(groups: dict[str, WorkerGroup]) -> None:
+    """Log which roles share their processes (colocated), e.g. ``actor+critic+reward``."""
+    seen: set[str] = set()
+    for role, group in groups.items():
+        if isinstance(group, ColocatedWorkerGroup) and role not in seen:
+            hosted = (role, *group.colocated_with)
+            seen.update(hosted)
+            logger.info("colocated: %s in %d processes (one per rank)", "+".join(hosted), group.world_size)
+
+
+def _wait_until_up(groups: dict[str, WorkerGroup], pending: dict[str, list], start: float) -> None:
     """Wait for every group's ``init_model`` refs (``pending``: role -> refs, one per rank), reporting each group
     as it comes up (a progress bar on a terminal, a log line each, with the seconds since ``start``, a
     ``time.monotonic()`` taken before the groups were spawned).

@@ -30,7 +30,9 @@ from hybridflow.training.megatron_setup import build_megatron_model, stage_of
 __all__ = ["MegatronEngine"]
 
 
-@register_engine("megatron", pipeline_parallel=True)
+# process_wide_state: megatron-core keeps its parallel state (and its RNG tracker) per process, so two megatron
+# engines of colocated roles would share one layout and seed (the trainer keeps such roles in separate processes)
+@register_engine("megatron", pipeline_parallel=True, process_wide_state=True)
 class MegatronEngine(TrainEngine):
     """Megatron-core tp x pp x dp (see the module docstring); build with :meth:`build`.
 

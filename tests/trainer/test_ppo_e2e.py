@@ -3,6 +3,7 @@ their checkpoint."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ def test_ppo_steps_through_ray(quickstart_run, tmp_path):
     assert train[0]["rollout/logprob_diff_max"] <= 1e-5
     assert "val/score" in rows[0] and "val/score" in rows[-1]
     assert 0.0 <= rows[-1]["val/mean@2"] <= 1.0 and "val/mean@2/hybridflow/arith" in rows[-1]
+    # trainer.colocate_roles (default): the three roles of the one pool run in one process per rank, 2 in all
+    started = re.findall(r"worker group \S+: (\d+) ranks of (\S+),", quickstart_run.output)
+    assert started == [("2", "ActorRolloutRefWorker_RuleRewardWorker_CriticWorker")], started
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "rollout/kl", "response_length/mean",
                 "timing_s/gen", "timing_s/update_actor", "perf/throughput"):
         assert key in train[-1], key
