@@ -169,22 +169,20 @@ def test_cli_rollout_selects_the_registered_backend_with_progress(model_dir, dat
     assert any(line.startswith("eval (greedy, mean@1): 6/6 prompts (100%)") and "ETA" in line for line in lines)
 
 
-def test_eval_equals_validation(model_dir, data_file):
-    """The same model and data through validate() (the training run's validation) and evaluate()."""
-    from hybridflow.config import load_config
+def _validation_parts(model_dir, data_file, rollout_cls, micro_batch_size):
+    """What validate() takes, in-process: a greedy rollout of the tiny model (``rollout_cls``), a reward group
+    stand-in scoring with the rule reward the reward worker runs, and the whole data file as one batch."""
     from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
     from hybridflow.protocol import DataProto
     from hybridflow.rewards.batch import score_batch
-    from hybridflow.trainer.validate import validate
     from hybridflow.workers.reward_worker import place_scores
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     tokenizer.pad_token_id = tokenizer.eos_token_id
-    config = load_config("quickstart", [f"data.max_response_length={RESPONSE_LENGTH}", "data.val_batch_size=4"])
     model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
     sampling = types.SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=0.0,
-                                     top_p=1.0, top_k=-1, micro_batch_size=4)
-    actor = HFRollout(model, sampling, eos_token_id=0, pad_token_id=0)
+                                     top_p=1.0, top_k=-1, micro_batch_size=micro_batch_size)
+    actor = rollout_cls(model, sampling, eos_token_id=0, pad_token_id=0)
 
     class Reward:
         def compute_rm_score(self, rows):
@@ -193,8 +191,17 @@ def test_eval_equals_validation(model_dir, data_file):
                                                                                    rows.batch["response_mask"])})
 
     dataset = RLHFDataset(load_rows(str(data_file)), tokenizer, 64)
-    val_data = collate_fn([dataset[i] for i in range(len(dataset))], 0)
-    metrics = validate(config, actor, Reward(), val_data)
+    return actor, Reward(), collate_fn([dataset[i] for i in range(len(dataset))], 0)
+
+
+def test_eval_equals_validation(model_dir, data_file):
+    """The same model and data through validate() (the training run's validation) and evaluate()."""
+    from hybridflow.config import load_config
+    from hybridflow.trainer.validate import validate
+
+    config = load_config("quickstart", [f"data.max_response_length={RESPONSE_LENGTH}", "data.val_batch_size=4"])
+    actor, reward, val_data = _validation_parts(model_dir, data_file, HFRollout, 4)
+    metrics = validate(config, actor, reward, val_data)
     result = evaluate(str(model_dir), str(data_file), batch_size=4, max_response_length=RESPONSE_LENGTH)
     assert metrics["val/score"] == pytest.approx(result["mean@1"]) == pytest.approx(4 / 6)
     for source in SOURCES:
@@ -206,39 +213,21 @@ def test_validation_runs_in_batches_of_train_batch_size_with_progress(model_dir,
     """Without data.val_batch_size, validation generates data.train_batch_size prompts at a time (a progress line
     per batch off a terminal) and scores exactly what one batch of all 6 prompts scores (greedy: 4 of 6 match)."""
     from hybridflow.config import load_config
-    from hybridflow.data.dataset import RLHFDataset, collate_fn, load_rows
-    from hybridflow.protocol import DataProto
-    from hybridflow.rewards.batch import score_batch
     from hybridflow.trainer.validate import validate
-    from hybridflow.workers.reward_worker import place_scores
 
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
-    tokenizer.pad_token_id = tokenizer.eos_token_id
-    model = GPT2LMHeadModel.from_pretrained(model_dir).eval()
-    sampling = types.SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=0.0,
-                                     top_p=1.0, top_k=-1, micro_batch_size=8)
-    actor = counting_rollout(model, sampling, eos_token_id=0, pad_token_id=0)
-
-    class Reward:
-        def compute_rm_score(self, rows):
-            scores = torch.tensor(score_batch(tokenizer, rows))
-            return DataProto.from_dict(tensors={"token_level_scores": place_scores(scores,
-                                                                                   rows.batch["response_mask"])})
-
-    dataset = RLHFDataset(load_rows(str(data_file)), tokenizer, 64)
-    val_data = collate_fn([dataset[i] for i in range(len(dataset))], 0)
+    actor, reward, val_data = _validation_parts(model_dir, data_file, counting_rollout, 8)
     small = ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "critic.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "critic.ppo_micro_batch_size_per_gpu=2", f"data.max_response_length={RESPONSE_LENGTH}"]
     with caplog.at_level(logging.INFO, logger="hybridflow.utils.progress"):
-        chunked = validate(load_config("quickstart", small), actor, Reward(), val_data)
+        chunked = validate(load_config("quickstart", small), actor, reward, val_data)
     assert counting_rollout.calls == [4, 2]  # 6 prompts, 4 per batch
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("validation (greedy): ")]
     assert len(lines) == 2  # off a terminal: one line at the first batch, one at the end
     assert lines[0].startswith("validation (greedy): 4/6 prompts (67%)")
     assert lines[1].startswith("validation (greedy): 6/6 prompts (100%)")
     counting_rollout.calls.clear()
-    whole = validate(load_config("quickstart", [*small, "data.val_batch_size=6"]), actor, Reward(), val_data)
+    whole = validate(load_config("quickstart", [*small, "data.val_batch_size=6"]), actor, reward, val_data)
     assert counting_rollout.calls == [6]
     assert chunked == whole
     assert chunked["val/score"] == pytest.approx(4 / 6)
