@@ -11,10 +11,11 @@ marks every collected test with its tier (``-m unit``, ``-m "unit or dist"``, ``
 
 The guard (:func:`install`) wraps what moves a test up a tier: ``ray.init``, ``multiprocessing`` process starts
 and Python child processes (dist), an in-process ``TrainLoop.fit`` (e2e). While a test or a fixture it uses runs,
-doing what is above its tier fails at once with a line saying which key of ``TIERS`` to add. A training run in a
-child process (``hybridflow train``, an ``examples/`` driver) is seen as dist only: such tests are named e2e here
-by what they run. With ``HYBRIDFLOW_TIER_RECORD=FILE``
-it only records what each test and fixture did, as JSON lines in FILE (to build or audit ``TIERS``).
+doing what is above its tier fails at once with a line saying which key of ``TIERS`` to add; a later test that uses
+a fixture whose set-up went above its tier fails too. A training run in a child process (``hybridflow train``, an
+``examples/`` driver, ``pty.fork``) is seen as dist only: such tests are named e2e here by what they run. With
+``HYBRIDFLOW_TIER_RECORD=FILE`` the guard only records what each test and fixture did, as JSON lines in FILE (to
+build or audit ``TIERS``).
 """
 
 from __future__ import annotations
