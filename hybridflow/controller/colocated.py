@@ -100,11 +100,17 @@ def _master_addr_port(self: Any) -> tuple[str, int]:
     return first.get_master_addr_port()
 
 
+def _set_master_addr_port(self: Any, addr: str, port: int) -> None:
+    """Set the process's ``MASTER_ADDR``/``MASTER_PORT`` (the environment every colocated instance shares)."""
+    next(iter(self._hf_instances.values())).set_master_addr_port(addr, port)
+
+
 def colocated_class(classes: dict[str, type]) -> type:
     """A class holding one instance of each of ``classes`` (name -> ``Worker`` subclass, in construction order),
     named ``<Class1>_<Class2>...`` (Ray's process title shows it). Its ``__init__(hf_env, inits)`` applies the
     environment ``hf_env`` and constructs the instances (``inits``: ``(args, kwargs)`` per class, in order); method
-    ``m`` of instance ``name`` is ``f"{name}__{m}"``; ``get_master_addr_port`` is the process's.
+    ``m`` of instance ``name`` is ``f"{name}__{m}"``; ``get_master_addr_port`` and ``set_master_addr_port`` are the
+    process's.
 
     Raises:
         ValueError: no class, a name that is not an identifier or contains ``__``, or a class that
@@ -121,6 +127,7 @@ def colocated_class(classes: dict[str, type]) -> type:
                 f"{cls.ray_actor_options['max_concurrency']} (methods running alongside other calls); give it a "
                 "worker group of its own")
     attrs: dict[str, Any] = {"__init__": _construct, "get_master_addr_port": _master_addr_port,
+                             "set_master_addr_port": _set_master_addr_port,
                              "_hf_classes": tuple(classes.items()),
                              "__doc__": "Colocated: " + ", ".join(f"{n} ({c.__name__})" for n, c in classes.items())}
     for name, cls in classes.items():

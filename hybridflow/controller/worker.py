@@ -6,7 +6,9 @@ A worker is constructed inside a Ray actor that ``RayWorkerGroup`` started. Befo
 
 * ``RANK``, ``WORLD_SIZE``: this process's rank in the group and the group size;
 * ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``: rank and count within this node's placement group;
-* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a free port it picked;
+* ``MASTER_ADDR``, ``MASTER_PORT``: rank 0's node IP and a free port it picked (a group starts every rank at
+  once, so the other ranks get them from :meth:`Worker.set_master_addr_port` right after their ``__init__``,
+  before any other call; :data:`MASTER_LATER` tells their ``__init__`` so);
 * ``HYBRIDFLOW_PLUGINS`` (optional): the user modules (``trainer.plugins``) that ``Worker.__init__`` imports
   first, so names they register are found by every lookup in the worker (see ``hybridflow/plugins.py``).
 
@@ -26,7 +28,11 @@ import ray
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Worker"]
+__all__ = ["MASTER_LATER", "Worker"]
+
+#: set to "1" in a rank other than 0 that starts before rank 0 has picked the rendezvous address: its
+#: ``__init__`` then accepts no ``MASTER_ADDR``/``MASTER_PORT``, which arrive by ``set_master_addr_port``
+MASTER_LATER = "HYBRIDFLOW_MASTER_LATER"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -91,7 +97,9 @@ class Worker:
         if not 0 <= self._rank < self._world_size:
             raise ValueError(f"RANK={self._rank} is not in [0, WORLD_SIZE={self._world_size})")
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
-            if self._rank != 0:
+            if self._rank != 0 and os.environ.get(MASTER_LATER) == "1":
+                pass  # the group passes rank 0's address with set_master_addr_port before any other call
+            elif self._rank != 0:
                 raise RuntimeError(
                     f"rank {self._rank} started without MASTER_ADDR/MASTER_PORT; only rank 0 picks them "
                     "(start workers through RayWorkerGroup, which passes rank 0's address to the others)"
@@ -127,6 +135,11 @@ class Worker:
     def get_master_addr_port(self) -> tuple[str, int]:
         """Return ``(MASTER_ADDR, MASTER_PORT)``: rank 0's node IP and the port it picked for rendezvous."""
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    def set_master_addr_port(self, addr: str, port: int) -> None:
+        """Set this process's ``MASTER_ADDR``/``MASTER_PORT`` (rank 0's, for a rank started with
+        ``HYBRIDFLOW_MASTER_LATER=1`` while rank 0 was still starting); called before anything joins the group."""
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = str(addr), str(int(port))
 
     # ------------------------------------------------------------------ mesh dispatch info
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:

@@ -36,7 +36,7 @@ from hybridflow.controller.dispatch import (
 )
 from hybridflow.controller.futures import DataProtoFuture, get_outputs
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.worker import Worker
+from hybridflow.controller.worker import MASTER_LATER, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -278,31 +278,29 @@ class ActorSet:
 
     @staticmethod
     def start_all(sets: Sequence["ActorSet"]) -> None:
-        """Start the ranks of several sets in three overlapped waves: every set's rank 0, then (once each
-        rank 0 named its master address) every other rank, then wait for all of them.
+        """Start every rank of several sets at once (their processes start and import concurrently), then give
+        each set's other ranks the rendezvous address its rank 0 picked (``set_master_addr_port``, their first
+        call; they start with ``MASTER_LATER``), and wait for all of them.
 
         Raises:
             WorkerError: a rank's ``__init__`` failed or its actor died (every started actor is killed)."""
         started: list[ActorSet] = []
         try:
-            rank0 = {}
             for actors in sets:
                 started.append(actors)
-                rank0[id(actors)] = actors._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
-            pending = []
+                actors._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
+                for rank in range(1, len(actors._placements)):
+                    actors._start_rank(rank, {"MASTER_ADDR": None, "MASTER_PORT": None, MASTER_LATER: "1"})
             for actors in sets:
-                worker = rank0[id(actors)]
-                get_outputs([worker.__ray_ready__.remote()], [0], actors.name, "__init__")
-                addr, port = get_outputs([worker.get_master_addr_port.remote()], [0], actors.name,
+                rank0, others = actors.workers[0], actors.workers[1:]
+                get_outputs([rank0.__ray_ready__.remote()], [0], actors.name, "__init__")
+                addr, port = get_outputs([rank0.get_master_addr_port.remote()], [0], actors.name,
                                          "get_master_addr_port")[0]
-                master = {"MASTER_ADDR": addr, "MASTER_PORT": str(port)}
-                others = [actors._start_rank(r, master) for r in range(1, len(actors._placements))]
-                pending.append((actors, others, f"{addr}:{port}"))
-            for actors, others, master in pending:
-                get_outputs([w.__ray_ready__.remote() for w in others], range(1, len(actors._placements)),
-                            actors.name, "__init__")
-                logger.info("worker group %s: %d ranks of %s, master %s", actors.name, len(actors._placements),
-                            actors.label, master)
+                ranks = range(1, len(actors._placements))
+                get_outputs([w.set_master_addr_port.remote(addr, port) for w in others], ranks, actors.name,
+                            "__init__")
+                logger.info("worker group %s: %d ranks of %s, master %s:%s", actors.name, len(actors._placements),
+                            actors.label, addr, port)
         except BaseException:
             for actors in started:
                 actors.shutdown()
@@ -331,8 +329,8 @@ class RayWorkerGroup(_WorkerGroupBase):
         env: extra environment variables every rank has before its ``__init__`` runs (e.g. the plugin modules
             ``Worker.__init__`` imports, ``HYBRIDFLOW_PLUGINS``).
 
-    Rank 0 starts first and picks ``MASTER_ADDR``/``MASTER_PORT``; the other ranks start with them. The
-    constructor returns once every rank's ``__init__`` finished. Several classes in one process per rank:
+    Every rank starts at once; rank 0 picks ``MASTER_ADDR``/``MASTER_PORT`` and the group passes them to the
+    other ranks before any other call. The constructor returns once every rank's ``__init__`` finished. Several classes in one process per rank:
     :func:`hybridflow.controller.colocated.create_colocated`.
 
     Raises:

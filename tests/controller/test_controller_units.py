@@ -1,6 +1,8 @@
 """Controller pieces in the driver process, without starting actors: Worker env handling, register, dispatch
 plans, mesh layout validation, the dispatch-mode registry and DataProtoFuture chunking."""
 
+import os
+
 import pytest
 import ray
 import torch
@@ -17,6 +19,7 @@ from hybridflow.controller import (
     register,
     register_dispatch_mode,
 )
+from hybridflow.controller.worker import MASTER_LATER
 from hybridflow.controller.dispatch import (
     Collector,
     collect_dp_compute_data_proto,
@@ -51,6 +54,16 @@ def test_worker_defaults_to_single_process_and_picks_master(clean_env):
     assert (w.rank, w.world_size, w.local_rank, w.device_name) == (0, 1, 0, "cpu")
     addr, port = w.get_master_addr_port()
     assert addr and 0 < port < 65536
+
+
+def test_a_later_rank_may_start_before_rank_0_named_the_master(clean_env):
+    clean_env.setenv("RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv(MASTER_LATER, "1")
+    w = Worker()  # rank 0 is still starting: its address arrives by set_master_addr_port
+    w.set_master_addr_port("127.0.0.1", 29400)
+    assert w.get_master_addr_port() == ("127.0.0.1", 29400)
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("127.0.0.1", "29400")
 
 
 def test_worker_rank_checks(clean_env):
