@@ -35,18 +35,30 @@ def _stop_cluster(temp_dir: str) -> None:
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def _start_head(env: dict) -> tuple[str, int]:
+    """``ray start --head`` on loopback with every port explicit (another Ray on this machine, e.g. the test
+    session's own, holds the defaults); returns (temp dir, dashboard port). A port picked free can be taken before
+    Ray binds it, so a failed start is tried once more with new ports; a second failure shows Ray's output."""
+    for attempt in (1, 2):
+        gcs, dashboard = free_port(), free_port()
+        temp_dir = tempfile.mkdtemp(prefix="hfray", dir="/tmp")  # Ray's socket paths must stay short
+        start = [_ray(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
+                 "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+                 f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                 f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+                 f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+        proc = subprocess.run(start, env=env, capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            return temp_dir, dashboard
+        _stop_cluster(temp_dir)
+        assert attempt == 1, f"ray start failed twice:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    raise AssertionError("unreachable")
+
+
 def test_ray_job_submit_to_existing_cluster(tmp_path):
-    gcs, dashboard = free_port(), free_port()
-    temp_dir = tempfile.mkdtemp(prefix="hfray", dir="/tmp")  # Ray's socket paths must stay short
     # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode)
     env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
-    # every port explicit: another Ray on this machine (e.g. the test session's own) holds the defaults
-    start = [_ray(), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-             f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
+    temp_dir, dashboard = _start_head(env)
     try:
         out = tmp_path / "run"
         submit = [_ray(), "job", "submit", f"--address=http://127.0.0.1:{dashboard}", "--working-dir", str(REPO),

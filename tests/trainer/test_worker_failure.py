@@ -51,8 +51,9 @@ def test_killed_worker_fails_fast_and_keeps_checkpoint(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert elapsed < 60
-    # the process of rank 1 held the actor, critic and reward of rank 1: a group of those names that rank
-    assert re.search(r"worker group '(actor|critic|reward)': rank 1 failed", output), output[-3000:]
+    # the process of rank 1 held the actor, critic and reward of rank 1: the error names one of those groups and a
+    # rank; rank 0 may be the one named, when its process died first in a collective with the killed rank
+    assert re.search(r"worker group '(actor|critic|reward)': rank [01] failed", output), output[-3000:]
     # Ray was shut down: the run's worker processes exit within seconds (they may lag the driver's exit a little)
     deadline = time.time() + 30
     while running(workers) and time.time() < deadline:
