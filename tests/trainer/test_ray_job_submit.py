@@ -2,6 +2,7 @@
 connects through RAY_ADDRESS instead of starting its own cluster). The test stops the cluster it started."""
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -56,8 +57,11 @@ def _start_head(env: dict) -> tuple[str, int]:
 
 
 def test_ray_job_submit_to_existing_cluster(tmp_path):
-    # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode)
-    env = {**os.environ, "RAY_ADDRESS": "", "RAY_AUTH_MODE": "token"}
+    # token auth on both sides (Ray >= 2.59 enables it for local clusters; the job client must know the mode), with
+    # this test's own token: `ray start` does not create one, and a token file an earlier Ray start left in the
+    # home directory is not there in a clean CI run (RAY_AUTH_TOKEN_PATH unset: the variable wins)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN_PATH"}
+    env.update(RAY_ADDRESS="", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
     temp_dir, dashboard = _start_head(env)
     try:
         out = tmp_path / "run"
