@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from typing import Any, Optional, Sequence
 
 import ray
@@ -39,6 +38,7 @@ from hybridflow.controller.worker_group import (
     RayClassWithInitArgs,
     RayWorkerGroup,
     _WorkerGroupBase,
+    apply_env,
     placements_of,
     share_of,
 )
@@ -80,11 +80,7 @@ def _forward(name: str, method: str) -> Any:
 def _construct(self: Any, hf_env: dict[str, Optional[str]], inits: Sequence[tuple[tuple, dict]]) -> None:
     """The colocated actor's ``__init__``: apply ``hf_env`` (``None`` unsets), then construct each class in order.
     An exception of a constructor propagates with a note naming the instance."""
-    for key, value in hf_env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    apply_env(hf_env)
     self._hf_instances = {}
     for (name, cls), (args, kwargs) in zip(type(self)._hf_classes, inits):
         try:

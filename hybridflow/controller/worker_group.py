@@ -60,16 +60,22 @@ class RayClassWithInitArgs:
         return f"RayClassWithInitArgs({self.cls.__name__})"
 
 
+def apply_env(env: dict[str, Optional[str]]) -> None:
+    """Set each variable of ``env`` in this process (a ``None`` value unsets it): a rank's environment, applied
+    before its worker classes are constructed."""
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def _with_env(cls: type) -> type:
     """A subclass of ``cls`` whose constructor first applies an env dict (``None`` values unset the variable),
     so the worker's ``__init__`` sees its rank variables."""
 
     def __init__(self: Any, hf_env: dict[str, Optional[str]], *args: Any, **kwargs: Any) -> None:
-        for key, value in hf_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        apply_env(hf_env)
         cls.__init__(self, *args, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__})
@@ -261,11 +267,13 @@ class ActorSet:
         self._args, self._kwargs = args, kwargs
         self._use_gpu, self._bin_pack, self._env = use_gpu, bin_pack, dict(env or {})
 
-    def _start_rank(self, rank: int, master: dict[str, Optional[str]]) -> Any:
+    def _start_rank(self, rank: int) -> Any:
         pg, index, count = self._placements[rank]
         strategy = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=index if self._bin_pack else -1
         )
+        # rank 0 picks the rendezvous address; the others get it by set_master_addr_port (MASTER_LATER)
+        master = {"MASTER_ADDR": None, "MASTER_PORT": None, **({MASTER_LATER: "1"} if rank else {})}
         env = {"RANK": str(rank), "WORLD_SIZE": str(len(self._placements)), "LOCAL_RANK": str(index),
                "LOCAL_WORLD_SIZE": str(count), **self._env, **master}
         if not self._use_gpu:  # a worker that reserved no GPU sees none (so it runs on CPU, gloo)
@@ -288,9 +296,8 @@ class ActorSet:
         try:
             for actors in sets:
                 started.append(actors)
-                actors._start_rank(0, {"MASTER_ADDR": None, "MASTER_PORT": None})
-                for rank in range(1, len(actors._placements)):
-                    actors._start_rank(rank, {"MASTER_ADDR": None, "MASTER_PORT": None, MASTER_LATER: "1"})
+                for rank in range(len(actors._placements)):
+                    actors._start_rank(rank)
             for actors in sets:
                 rank0, others = actors.workers[0], actors.workers[1:]
                 get_outputs([rank0.__ray_ready__.remote()], [0], actors.name, "__init__")
@@ -330,8 +337,8 @@ class RayWorkerGroup(_WorkerGroupBase):
             ``Worker.__init__`` imports, ``HYBRIDFLOW_PLUGINS``).
 
     Every rank starts at once; rank 0 picks ``MASTER_ADDR``/``MASTER_PORT`` and the group passes them to the
-    other ranks before any other call. The constructor returns once every rank's ``__init__`` finished. Several classes in one process per rank:
-    :func:`hybridflow.controller.colocated.create_colocated`.
+    other ranks before any other call. The constructor returns once every rank's ``__init__`` finished. Several
+    classes in one process per rank: :func:`hybridflow.controller.colocated.create_colocated`.
 
     Raises:
         TypeError: ``ray_cls_with_init`` is not a ``RayClassWithInitArgs``.
