@@ -38,8 +38,6 @@ import statistics
 import tempfile
 from typing import Iterator
 
-from hybridflow.distributed.precision import matmul_rate
-
 PHASES = {"generate": "gen", "reward": "reward", "reference": "ref", "old_log_prob": "old_log_prob",
           "ref_and_old_log_prob": "ref_and_old_log_prob",  # both forwards in one call (when a step needs both)
           "values": "values", "advantages": "adv", "critic_update": "update_critic", "actor_update": "update_actor"}
@@ -83,6 +81,7 @@ def _ranks(cfg) -> int:
 def _loop_after_each_step(ranks: int) -> Iterator[dict[int, float]]:
     """Time the matmul loop (``ranks`` processes, FLOP/s) in the driver right after each step's metrics are logged,
     while the workers wait for the next step: yields ``{step: rate}``, filled as the run goes."""
+    from hybridflow.distributed.precision import matmul_rate
     from hybridflow.utils.tracking import Tracking
 
     rates: dict[int, float] = {}
@@ -104,7 +103,6 @@ def _run(args) -> tuple[list[dict], object, int, dict[int, float]]:
     rates (FLOP/s) by step: ``0`` just before the workers start, ``s`` right after step ``s``."""
     from hybridflow.config import load_config
     from hybridflow.models.presets import parameter_count, resolve_benchmark_model
-    from hybridflow.trainer.main import run_ppo
 
     with tempfile.TemporaryDirectory() as out:
         model = [f"actor_rollout_ref.model.path={resolve_benchmark_model(args.model, out)}"] if args.model else []
@@ -113,6 +111,9 @@ def _run(args) -> tuple[list[dict], object, int, dict[int, float]]:
                                          "trainer.logger=[jsonl]", "trainer.plot_curves=false", *model,
                                          *args.overrides])
         params = parameter_count(cfg.actor_rollout_ref.model.path)
+        from hybridflow.distributed.precision import matmul_rate  # torch: only once the arguments are good
+        from hybridflow.trainer.main import run_ppo
+
         before = matmul_rate(_ranks(cfg), seconds=LOOP_SECONDS, size=MATMUL_SIZE)
         with _loop_after_each_step(_ranks(cfg)) as rates:
             run_ppo(cfg)

@@ -7,10 +7,17 @@ import pytest
 import ray
 
 import tiers
+from hybridflow.distributed.launch import preload
 
 # model.dtype=auto stays fp32 in tests on every CPU (no bf16 probe; hybridflow.distributed.precision); set before
 # any Ray worker starts, so workers inherit it
 os.environ.setdefault("HYBRIDFLOW_AUTO_DTYPE_PROBE", "0")
+
+# what most multi-rank tests import: the fork server behind spawn_ranks imports it once per session, so a launch's
+# ranks start with it instead of importing it each (seconds per launch on 2 cores)
+preload("transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+        "transformers.models.qwen2.modeling_qwen2", "hybridflow.workers.ppo_actor", "hybridflow.workers.ppo_critic",
+        "hybridflow.training.fsdp2", "hybridflow.engine", "vllm", "vllm.entrypoints.llm")
 
 
 def pytest_configure(config):

@@ -20,6 +20,7 @@ Subclasses call ``super().__init__()`` first. This module knows nothing about RL
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import socket
@@ -43,6 +44,14 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP) resolves to a loopback address; False when it does not resolve."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _node_ip() -> str:

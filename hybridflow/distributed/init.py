@@ -10,7 +10,6 @@ interface too (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, unless already s
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 from typing import Optional
@@ -18,6 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridflow.controller.worker import is_loopback  # (re-exported: rendezvous code imports it from here)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -40,14 +41,6 @@ def resolve_dtype(name: str, device: str | None = None) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {['auto', *_DTYPES]}")
     return _DTYPES[name]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an IP) resolves to a loopback address; False when it does not resolve."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def _loopback_interface() -> str:

@@ -15,11 +15,11 @@ from hybridflow.controller import (ColocatedWorkerGroup, RayClassWithInitArgs, R
                                    create_groups)
 from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import get_outputs
+from hybridflow.controller.worker import is_loopback
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.errors import DataError, UserError
-from hybridflow.distributed.init import is_loopback
 from hybridflow.models.hf import MissingTokenizerError, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
