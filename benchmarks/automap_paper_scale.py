@@ -13,7 +13,7 @@ trains with Megatron-LM; the search runs with the ``unrestricted`` abilities, no
 generation uses tp x dp only (vLLM, as in the paper).
 
 Prints ONE JSON object (every number, the two trend checks); ``--table``: the Markdown table and the trend
-checks instead (the README shows that output).
+checks instead (docs/concepts/auto-mapper.md summarises that output).
 
     python benchmarks/automap_paper_scale.py [--table] [--sizes 7B 13B 34B 70B] [--gpus 16 32 64 96 128]
                                              [--no-sensitivity]

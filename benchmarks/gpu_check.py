@@ -29,7 +29,7 @@ part's CUDA and vLLM state cannot leak into the next), all of which must pass:
   ``benchmarks/reshard.py``); the engine's shards must equal the naive ones. On one GPU both are local copies.
 
 Without a GPU (``torch.cuda.is_available()`` false) or without vLLM it stops at once with a message on stderr
-and exit status 2. Not yet run on a GPU by the project (see README "GPU check").
+and exit status 2. Not yet run on a GPU by the project (see docs/how-to/docker.md, "The GPU check").
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ template and left-padded as in training), the same model weights (the checkpoint
 settings, in the same process with the same torch thread count. Each backend first generates once untimed
 (warm-up), then ``--repeats`` times timed; tokens/s is generated tokens (sum of ``response_mask``) over the timed
 seconds. Prints ONE JSON line, with the vllm/hf throughput ratio and the machine's load average. Needs vLLM (see
-README: vLLM backend).
+docs/how-to/vllm.md).
 
-``--shape medium`` is the compute-bound shape of README "Performance": the ~25M-parameter ``medium`` preset of
+``--shape medium`` is the compute-bound shape of docs/performance.md: the ~25M-parameter ``medium`` preset of
 :mod:`hybridflow.models.presets` (random init), 64 prompts x 4 samples, 128 new tokens (each option can still be
 overridden). ``--backends hf`` measures hf only (no vLLM installed).
 

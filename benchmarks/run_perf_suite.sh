@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every performance figure of README "Performance" (issue 18), in one run: ONE JSON line per measurement on stdout,
+# Every performance figure of docs/performance.md (issue 18), in one run: ONE JSON line per measurement on stdout,
 # each tagged {"item": NAME, "result": {...}}; the benchmarks' own logs go to $PERF_LOG (default perf_suite.log).
 # Meant for a quiet machine (nothing else running; each result records the load average): about 30 minutes on
 # 2 cores (19-27 minutes measured, the medium hf-vs-vLLM rollout ~5 of them, the medium GRPO step profile ~1.5;

@@ -1,4 +1,5 @@
-"""The one name -> object registry used by every kind of pluggable part (DESIGN.md "One way to do a thing").
+"""The one name -> object registry used by every kind of pluggable part (docs/concepts/architecture.md,
+"One way to do a thing").
 
 One :class:`Registry` instance per kind, owned by the module that defines the kind (advantage estimators in
 ``algorithms/advantage.py``, policy losses in ``algorithms/losses.py``, rollout backends in ``rollout/base.py``,

@@ -47,14 +47,14 @@ class ModelConfig:
     path: str = "builtin:tiny-arith"  # local HF model directory, or builtin:tiny-arith (shipped with hybridflow)
     tokenizer_path: Optional[str] = None  # defaults to path
     # auto: bf16 on GPU; on CPU bf16 compute over fp32 master weights when a start-up matmul probe finds bf16 faster,
-    # else fp32 (README "Performance") | float32 | bfloat16 | float16 (models that are not trained: reward, cost)
+    # else fp32 (docs/performance.md) | float32 | bfloat16 | float16 (models that are not trained: reward, cost)
     dtype: str = "auto"
     # padding-free training forwards: a micro-batch's valid tokens packed into one row (verl's key; actor, reference,
     # critic and reward/cost models read their own section's)
     use_remove_padding: bool = False
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
     trust_remote_code: bool = False  # passed to transformers
-    # LoRA through peft (Hu et al. 2021; README "LoRA"); for actor_rollout_ref.model and critic.model
+    # LoRA through peft (Hu et al. 2021; docs/how-to/lora.md); for actor_rollout_ref.model and critic.model
     lora_rank: int = 0  # LoRA rank r; 0 = off (full fine-tuning). > 0: only the adapters train, the base is frozen
     lora_alpha: float = 16.0  # LoRA alpha: the adapted weight is W + (lora_alpha / lora_rank) * B A
     target_modules: Any = "all-linear"  # modules given adapters: all-linear (every Linear but the output head) | [names]
@@ -111,14 +111,14 @@ class ActorConfig:
 class SamplingConfig:
     do_sample: bool = False  # greedy when false
     temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 disables top-k
     n: int = 1  # samples per prompt
 
 
 @dataclass
 class MultiTurnConfig:
-    # multi-turn, tool-calling rollouts (hybridflow.rollout.multi_turn; README "Multi-turn rollouts and tools")
+    # multi-turn, tool-calling rollouts (hybridflow.rollout.multi_turn; docs/how-to/multi-turn.md)
     enable: bool = False  # run the multi-turn loop over the rollout backend; needs a tokenizer with a chat template
     max_assistant_turns: int = 5  # model turns per trajectory (a tool call at the last one ends it: max_turns)
     max_user_turns: int = 5  # observation (tool-response) turns per trajectory
@@ -134,9 +134,9 @@ class MultiTurnConfig:
 class RolloutConfig:
     name: str = "hf"  # rollout backend registry name: hf | vllm
     n: int = 1  # samples per prompt
-    do_sample: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
+    do_sample: bool = True  # sample (false: greedy decoding)
+    temperature: float = 1.0  # logits are divided by it before sampling
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 disables top-k
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward when recomputing logprobs
     log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per old-logprob forward
@@ -181,11 +181,11 @@ class CriticConfig:
     use_dynamic_bsz: bool = False  # micro-batches by a token budget instead of a sequence count (values, update)
     ppo_max_token_len_per_gpu: int = 32768  # use_dynamic_bsz: valid tokens per update micro-batch on one rank
     forward_max_token_len_per_gpu: int = 32768  # use_dynamic_bsz: valid tokens per value forward on one rank
-    ppo_epochs: int = 1
-    shuffle: bool = False
+    ppo_epochs: int = 1  # passes over the rollout batch per step
+    shuffle: bool = False  # shuffle the batch before splitting into mini-batches
     cliprange_value: float = 0.5  # value clipping range
-    loss_agg_mode: str = "token-mean"
-    grad_clip: float = 1.0
+    loss_agg_mode: str = "token-mean"  # how the value loss is averaged (the actor's modes)
+    grad_clip: float = 1.0  # max global grad norm
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of critic.strategy=megatron
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -262,7 +262,7 @@ class DataConfig:
     val_batch_size: Optional[int] = None
     train_max_samples: int = -1  # keep the first N train rows after loading, before shuffling; -1 = all (verl's key)
     val_max_samples: int = -1  # keep the first N validation rows after loading; -1 = all (verl's key)
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the train prompts every epoch
     seed: int = 1  # data order seed
 
 
@@ -310,11 +310,11 @@ class RayInitConfig:
 
 @dataclass
 class TrainerConfig:
-    project_name: str = "hybridflow"
-    experiment_name: str = "run"
+    project_name: str = "hybridflow"  # tracker project; part of default_local_dir
+    experiment_name: str = "run"  # tracker run name; part of default_local_dir
     total_epochs: int = 1000  # upper bound on passes over the train set
     total_training_steps: Optional[int] = None  # stop after this many steps; None means total_epochs
-    nnodes: int = 1
+    nnodes: int = 1  # nodes of the Ray cluster the run uses
     n_gpus_per_node: int = 2  # ranks per node (processes on CPU, GPUs on GPU machines)
     device: str = "auto"  # auto (GPUs when the Ray cluster has them) | cpu (workers use no GPU) | cuda (require GPUs)
     save_freq: int = -1  # save a checkpoint every N steps (and at the last step); -1 disables
@@ -323,7 +323,8 @@ class TrainerConfig:
     nonfinite_grad: str = "skip"  # skip (drop the optimizer step, count it) | error (stop with a clear error)
     balance_batch: bool = True  # reorder generated rows so each dp rank of the actor gets ~equal tokens
     test_freq: int = 10  # validate every N steps; -1 disables
-    val_before_train: bool = True
+    val_before_train: bool = True  # validate once before the first step (step 0)
+    # run directory (metrics.jsonl, config.yaml, curves.png, checkpoints); made absolute at load against the cwd
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     # console | jsonl | tensorboard | wandb | mlflow | swanlab (the last four need pip install -e ".[NAME]")
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])
@@ -353,10 +354,10 @@ class ParallelLayoutConfig:
     # critic: train; reference, reward: infer), applied at load (hybridflow/config/layouts.py): pp*tp*dp must be
     # the role's pool ranks, the actor's tp set actor/rollout.tensor_model_parallel_size, the engine's abilities
     # bound them (fsdp2: pp=1, tp=1 but for the actor; the reference on the actor's train layout). Empty: dp only.
-    actor: dict[str, list[int]] = field(default_factory=dict)
-    critic: dict[str, list[int]] = field(default_factory=dict)
-    reference: dict[str, list[int]] = field(default_factory=dict)
-    reward: dict[str, list[int]] = field(default_factory=dict)
+    actor: dict[str, list[int]] = field(default_factory=dict)  # {train: [pp, tp, dp], generate: [pp, tp, dp]}
+    critic: dict[str, list[int]] = field(default_factory=dict)  # {train: [pp, tp, dp]}
+    reference: dict[str, list[int]] = field(default_factory=dict)  # {infer: [pp, tp, dp]}
+    reward: dict[str, list[int]] = field(default_factory=dict)  # {infer: [pp, tp, dp]}
 
 
 @dataclass

@@ -126,7 +126,7 @@ def register(
             (looked up when the worker group is built).
         execute_mode: ``Execute.ALL`` (every rank runs) or ``Execute.RANK_ZERO`` (only rank 0 runs).
         blocking: ``False`` makes the group method return at once: a ``DataProtoFuture`` for modes that
-            collect a ``DataProto``, else the list of Ray ``ObjectRef``s of the ranks whose output counts.
+            collect a ``DataProto``, else the list of Ray ``ObjectRef`` objects of the ranks whose output counts.
         mesh_name: the layout name for ``Dispatch.MESH_COMPUTE_PROTO`` (required there, rejected elsewhere).
         batch_keys / non_tensor_batch_keys: the tensor / non-tensor columns the method may read (a superset: a
             column a config may add is listed; absent ones are skipped). The driver-side call sends only these

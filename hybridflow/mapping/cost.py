@@ -24,7 +24,7 @@ rollout engine's CPU work), per model call (dispatch and data movement) and per 
 With a fixed cost per call, models on different devices that run a stage at the same time (the paper's model,
 ``sequential_driver=False``) pay it once per stage instead of once per model, which favours splitting a large
 cluster when each model's share of the work gets small (whether enough to change a placement depends on the
-sizes: README, Auto-mapper). ``hybridflow.mapping.presets`` holds the
+sizes: docs/concepts/auto-mapper.md). ``hybridflow.mapping.presets`` holds the
 parameter sets (``a100-paper``: the paper's testbed, each value with its source).
 
 CPU ranks (``ClusterSpec.cores_per_node``): ranks that outnumber a node's cores share them. ``rank_share`` gives

@@ -1,4 +1,4 @@
-"""What a LoRA actor sends to its rollout after an update, and the check that it arrived (README "LoRA").
+"""What a LoRA actor sends to its rollout after an update, and the check that it arrived (docs/how-to/lora.md).
 
 Two payloads (``actor_rollout_ref.rollout.lora_sync``): ``merged``, the base model's names with
 W + (alpha / r) B A (Hu et al. 2021, Eq. 3), which every backend loads like a full fine-tune's weights; or

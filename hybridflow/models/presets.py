@@ -1,7 +1,7 @@
 """Size presets for benchmarks: random-init Llama models of the tiny-arith config family (same tokenizer, chat
 template and architecture; more width and depth), written as a local HF directory.
 
-``medium`` (~25M parameters) is the compute-bound shape of the performance benchmarks (README "Performance"): 8
+``medium`` (~25M parameters) is the compute-bound shape of the performance benchmarks (docs/performance.md): 8
 layers, hidden 512, 8 heads of 64 (4 key/value heads), MLP 1536, the tiny-arith vocabulary of 512 tokens.
 """
 

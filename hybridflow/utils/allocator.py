@@ -5,7 +5,7 @@ glibc's defaults such a buffer is first served by ``mmap`` and its heap memory i
 soon as 2x the largest freed chunk lies free at the top of the heap, so the next micro-batch page-faults the same
 memory in again (zero-filled by the kernel). Fixing the mmap threshold at 32 MiB (larger buffers still come from
 and go back to the kernel at once) and trimming only when more than 1 GiB lies free keeps those pages mapped.
-Measured (README "Performance"): on an Intel Xeon the policy forward of a 16 x 160-token micro-batch of a
+Measured (CHANGELOG.md, 2026-12-06): on an Intel Xeon the policy forward of a 16 x 160-token micro-batch of a
 25M-parameter model varied from 1.1 to 5.0 s inside Ray workers with glibc's defaults, 1.1-1.3 s with the same two
 settings given as MALLOC_* variables; on an AMD EPYC the medium-shape actor update reached 0.75 / 0.75 of the
 same-run matmul rate with them and 0.64 / 0.67 without (two runs each), while the whole GRPO step there did not

@@ -10,8 +10,8 @@ The memory handoff, every step: ``generate_sequences`` -> (first training-side c
 level 2, its weights; the actor engine onloads what ``fsdp_config`` offloads -> train -> (next
 ``generate_sequences``) the rollout ``wake()``s, ``load_weights`` gets the new weights, the actor engine offloads
 -> generate. With the 3D-HybridEngine (hf) the switch to training frees the generation copy (the rollout's
-weights) and the switch to generation reshards the new weights into it (README "Training engines and the memory
-handoff").
+weights) and the switch to generation reshards the new weights into it (docs/concepts/training-engines.md, the
+memory handoff).
 Which of the three a worker holds is chosen by ``role``: ``actor_rollout_ref`` (all), ``actor_rollout``, ``ref``,
 or ``actor_ref`` (no rollout: the trainer of the async driver, whose generators are a separate worker group that
 receives the weights through :meth:`ActorRolloutRefWorker.send_weights`).
@@ -131,7 +131,7 @@ class ActorRolloutRefWorker(Worker):
         self._rollout_stale = True  # the rollout's weights differ from the actor's (or were discarded by a sleep)
         self._rollout_asleep = False
         self.engine = None  # the 3D-HybridEngine (hf rollout backend)
-        self._lora = lora_lib.lora_enabled(config.model)  # actor wrapped by peft (README "LoRA")
+        self._lora = lora_lib.lora_enabled(config.model)  # actor wrapped by peft (docs/how-to/lora.md)
         self.sync_metrics: dict[str, float] = {}  # the last LoRA sync check (sync/verified ...)
         self.multi_turn = None  # the multi-turn tool loop around the rollout (rollout.multi_turn.enable)
 

@@ -33,7 +33,7 @@ class PPOActor(EngineModel):
             :mod:`hybridflow.algorithms.sampling`). Every logprob and entropy here is of that distribution, so
             the recomputed old logprobs are those of the distribution the rollout sampled from (the contract of
             :mod:`hybridflow.rollout.base`); the sampled token is always kept in the truncated set. A reference
-            policy gets the temperature only (its logprobs anchor the KL term, see README "Sampling logprobs").
+            policy gets the temperature only (its logprobs anchor the KL term, see docs/concepts/rollout.md).
         nonfinite_grad: (with a module) ``skip`` drops an optimizer step whose gradient norm is NaN/inf (counted in
             ``actor/skipped_steps``); ``error`` raises ``FloatingPointError`` instead. Either way the
             non-finite gradient never reaches the weights.
