@@ -21,8 +21,11 @@ class OptimConfig:
     lr: float = 1e-5  # peak learning rate
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    lr_warmup_steps: int = -1  # linear warmup steps; -1 means use lr_warmup_steps_ratio
-    lr_warmup_steps_ratio: float = 0.0  # warmup as a fraction of total optimizer steps
+    # linear warmup W (-1: lr_warmup_steps_ratio): the k-th applied update uses lr * k / (W + 1) for k <= W and the
+    # full lr from update W + 1 on; the schedule counts training steps with an applied update (a step whose every
+    # optimizer update the non-finite guard skipped does not advance it)
+    lr_warmup_steps: int = -1
+    lr_warmup_steps_ratio: float = 0.0  # warmup W as a fraction of the total training steps (rounded down)
     lr_scheduler_type: str = "constant"  # constant | cosine (after warmup)
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
 

@@ -11,9 +11,9 @@ from hybridflow.distributed.fsdp import (
     resolve_reshard_after_forward,
 )
 from hybridflow.distributed.init import (
-    all_reduce_mean,
     all_reduce_sum,
     build_mesh,
+    gather_metrics,
     get_device_name,
     init_distributed,
     resolve_dtype,
@@ -21,12 +21,12 @@ from hybridflow.distributed.init import (
 from hybridflow.distributed.tp import apply_tp, parallelize_model
 
 __all__ = [
-    "all_reduce_mean",
     "all_reduce_sum",
     "apply_fsdp2",
     "apply_tp",
     "build_mesh",
     "clip_grad_norm",
+    "gather_metrics",
     "get_device_name",
     "init_distributed",
     "iter_full_state",

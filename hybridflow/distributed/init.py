@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hybridflow.controller.worker import is_loopback  # (re-exported: rendezvous code imports it from here)
+from hybridflow.utils.metrics import Metric, Sum, reduce_metrics
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -127,11 +128,18 @@ def all_reduce_sum(value: float | torch.Tensor, group: Optional[dist.ProcessGrou
     return t
 
 
-def all_reduce_mean(values: dict[str, float], group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
-    """Average every value of a metrics dict over ``group`` in one collective (same keys on every rank)."""
-    if not values:
-        return {}
-    keys = sorted(values)
-    total = all_reduce_sum(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64), group)
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
-    return {k: float(v) / n for k, v in zip(keys, total.tolist())}
+def gather_metrics(metrics: dict[str, Metric], group: Optional[dist.ProcessGroup] = None,
+                   replicas: int = 1) -> dict[str, Metric]:
+    """Pool typed metrics (:mod:`hybridflow.utils.metrics`) over the ranks of ``group``, each by its kind, in one
+    collective; every rank gets the same pooled dict (a key some ranks lack pools over the others). ``replicas``:
+    how many ranks hold each piece of data (a dp shard's tp x pp ranks), so a ``Sum`` counts each piece once
+    (means, extremes and standard deviations do not change when every sample is counted ``replicas`` times).
+    Without an initialised process group it returns ``metrics`` pooled alone."""
+    if not dist.is_initialized():
+        return reduce_metrics([metrics])
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, metrics, group=group)
+    pooled = reduce_metrics(gathered)
+    if replicas != 1:
+        pooled = {k: Sum(m.value / replicas) if isinstance(m, Sum) else m for k, m in pooled.items()}
+    return pooled

@@ -36,7 +36,8 @@ TOOL_FORMATS: Registry = Registry("tool-call format")
 @TOOL_FORMATS.register("hermes")
 class HermesFormat(ToolCallFormat):
     """``<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>`` (``arguments``
-    may also be a JSON string holding the object, as some models write it)."""
+    may also be a JSON string holding the object, as some models write it; an empty string, as APIs write a call
+    without arguments, is the empty object ``{}``)."""
 
     stop = ("</tool_call>",)
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -55,7 +56,7 @@ class HermesFormat(ToolCallFormat):
         arguments = obj.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = json.loads(arguments) if arguments.strip() else {}
             except ValueError:
                 pass
         if not isinstance(arguments, dict):

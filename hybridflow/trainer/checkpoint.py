@@ -54,11 +54,13 @@ class CheckpointManager:
 
     def save(self, step: int, writers: dict[str, Callable[[str], None]], trainer_state: dict[str, Any]) -> str:
         """Write checkpoint ``step``: ``writers[name](dir)`` writes part ``name`` (e.g. a worker group's
-        ``save_checkpoint``) into ``<ckpt>/<name>``; then the driver's ``trainer_state``. Returns the path."""
+        ``save_checkpoint``, or the config file) at ``<ckpt>/<name>`` (the checkpoint directory exists, whatever
+        the parts); then the driver's ``trainer_state``. Returns the path."""
         os.makedirs(self.root, exist_ok=True)
         self._clean_leftovers()
         final = os.path.join(self.root, f"{PREFIX}{step}")
         tmp = os.path.join(self.root, f".tmp_{PREFIX}{step}")
+        os.makedirs(tmp, exist_ok=True)
         for name, write in writers.items():
             write(os.path.join(tmp, name))
         torch.save(trainer_state, os.path.join(tmp, STATE_FILE))

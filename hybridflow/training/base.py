@@ -168,7 +168,8 @@ class TrainEngine(abc.ABC):
     Attributes every engine has: ``spec`` (:class:`EngineSpec`), ``layout`` (:class:`ParallelLayout`), ``module``
     (the Hugging Face module, for its ``config``, buffers and peft calls; parameter data go through the iterators),
     ``optimizer`` / ``lr_scheduler`` (None when frozen), ``skipped_steps`` (optimizer steps the non-finite guard
-    dropped, checkpointed).
+    dropped, checkpointed), ``applied_update`` (an optimizer update went through since the last
+    :meth:`lr_scheduler_step`).
     """
 
     spec: EngineSpec
@@ -233,7 +234,10 @@ class TrainEngine(abc.ABC):
 
     @abc.abstractmethod
     def lr_scheduler_step(self) -> float:
-        """Advance the lr schedule by one training step; returns the lr the step just taken used."""
+        """End a training step for the lr schedule: advance it by one if an optimizer update was applied since the
+        last call, else (every update of the step skipped by the non-finite guard) leave it, so the schedule counts
+        applied updates and a resume (its state is checkpointed) continues it exactly. Returns the lr the step just
+        taken used."""
 
     # ------------------------------------------------------------------ weights
     @abc.abstractmethod

@@ -89,6 +89,7 @@ class FSDP2Engine(TrainEngine):
         self.lr_scheduler = lr_scheduler
         self.mesh = mesh
         self.skipped_steps = 0
+        self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self.compute_dtype = compute_dtype  # the forwards' dtype (None: not known, e.g. from_module)
 
     @classmethod
@@ -193,11 +194,14 @@ class FSDP2Engine(TrainEngine):
         grad_norm, skipped = apply_gradients(self.module, self.optimizer, self.spec.grad_clip,
                                              self.spec.nonfinite_grad, self.spec.role)
         self.skipped_steps += int(skipped)
+        self.applied_update = self.applied_update or not skipped
         return grad_norm, skipped
 
     def lr_scheduler_step(self) -> float:
         lr = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
+        if self.applied_update:  # the schedule counts applied updates (a fully skipped step leaves it)
+            self.lr_scheduler.step()
+        self.applied_update = False
         return lr
 
     # ------------------------------------------------------------------ weights

@@ -53,6 +53,7 @@ class MegatronEngine(TrainEngine):
         self.optimizer = parts.get("optimizer")
         self.lr_scheduler = parts.get("lr_scheduler")
         self.skipped_steps = 0
+        self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self._adapter = lambda: cpu_adapter(spec.device)
 
     @classmethod
@@ -143,6 +144,7 @@ class MegatronEngine(TrainEngine):
                     for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                         clip_grad_by_total_norm_fp32(opt.get_parameters(), self.spec.grad_clip, grad_norm)
                 self.optimizer.step_with_ready_grads()
+                self.applied_update = True
                 return grad_norm, False
             self.zero_grad()
         self.skipped_steps += 1
@@ -153,8 +155,10 @@ class MegatronEngine(TrainEngine):
 
     def lr_scheduler_step(self) -> float:
         lr = self.lr_scheduler[0].get_last_lr()[0]
-        for scheduler in self.lr_scheduler:
-            scheduler.step()
+        if self.applied_update:  # the schedule counts applied updates (a fully skipped step leaves it)
+            for scheduler in self.lr_scheduler:
+                scheduler.step()
+        self.applied_update = False
         return lr
 
     # ------------------------------------------------------------------ weights

@@ -37,6 +37,7 @@ from hybridflow.models.hf import accepts_logits_to_keep
 from hybridflow.protocol import DataProto
 from hybridflow.training.shared_prompt import (SHARED_PROMPT_KWARG, shared_prompt_attention, shared_prompt_layout,
                                                shared_prompt_tokens)
+from hybridflow.utils.metrics import Metric, Sum, accumulate
 
 VARLEN_ATTENTION = "hybridflow_varlen"
 _PLAIN_ATTENTION_KWARGS = {"position_ids", "use_cache", "cache_position"}  # kwargs that do not change attention
@@ -195,17 +196,18 @@ def computed_tokens(micro: DataProto, response_length: int, remove_padding: bool
     return mask.shape[0] * (end - first), valid
 
 
-def add_token_counts(stats: dict[str, float], role: str, micro: DataProto, remove_padding: bool,
+def add_token_counts(stats: dict[str, Metric], role: str, micro: DataProto, remove_padding: bool,
                      module: torch.nn.Module | None = None) -> None:
-    """Add a training micro-batch's :func:`computed_tokens` to ``stats`` as ``perf/<role>_computed_tokens`` and
-    ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that benchmarks/step_profile.py reports;
-    below 1 valid per computed token when shared prompts are computed once). ``module``: the model whose packed
-    forwards ran (shared prompts count only where its attention shares them: not flash attention)."""
+    """Pool a training micro-batch's :func:`computed_tokens` into ``stats`` as the ``Sum`` metrics
+    ``perf/<role>_computed_tokens`` and ``perf/<role>_valid_tokens`` (their ratio is the padding overhead that
+    benchmarks/step_profile.py reports; below 1 valid per computed token when shared prompts are computed once).
+    ``module``: the model whose packed forwards ran (shared prompts count only where its attention shares them: not
+    flash attention)."""
     shares = module is not None and remove_padding and _attention_implementation(module) in ("sdpa", "eager",
                                                                                            VARLEN_ATTENTION)
     computed, valid = computed_tokens(micro, micro.batch["responses"].shape[1], remove_padding, shares)
-    stats[f"perf/{role}_computed_tokens"] = stats.get(f"perf/{role}_computed_tokens", 0.0) + computed
-    stats[f"perf/{role}_valid_tokens"] = stats.get(f"perf/{role}_valid_tokens", 0.0) + valid
+    accumulate(stats, f"perf/{role}_computed_tokens", Sum(float(computed)))
+    accumulate(stats, f"perf/{role}_valid_tokens", Sum(float(valid)))
 
 
 def _attention_implementation(module: torch.nn.Module) -> str | None:

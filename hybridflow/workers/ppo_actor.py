@@ -16,6 +16,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.training import TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
+from hybridflow.training.update import loss_metric
+from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
 from hybridflow.workers.engine_model import EngineModel
 
 
@@ -90,10 +92,12 @@ class PPOActor(EngineModel):
         in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
         normalisation of :mod:`hybridflow.training.micro` (the loop: :func:`hybridflow.training.update_mini_batches`). With ``actor.overlong_filter`` the loss (policy, entropy
         and KL terms) counts only responses whose ``truncated`` flag (B,) is False (:meth:`_loss_mask`). A non-finite gradient norm skips the step (counted in
-        ``actor/skipped_steps``). Returns metrics averaged over mini-batches and dp ranks; with ``rollout_log_probs``
-        also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
-        ``actor/is_weight_mean``, ``actor/is_weight_max`` and ``actor/is_weight_min`` (max/min over micro-batches,
-        averaged over ranks).
+        ``actor/skipped_steps``). Returns the metrics pooled by kind over mini-batches, micro-batches and dp ranks
+        (:func:`~hybridflow.training.update.update_mini_batches`): the losses as the mini-batch's loss
+        (token-weighted over mini-batches), clip fractions and ``ppo_kl`` token-weighted; with
+        ``rollout_log_probs`` also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
+        ``actor/is_weight_mean`` (token-weighted), ``actor/is_weight_max`` and ``actor/is_weight_min`` (over every
+        valid token of every rank).
 
         Without ``old_log_probs`` (the driver skipped that forward: the samples come from exactly these weights and
         this is the only update of the batch, :mod:`hybridflow.trainer.old_log_prob`) pi_old is the detached current
@@ -114,7 +118,7 @@ class PPOActor(EngineModel):
             scale = self.loss_scale_factor or mini.batch["responses"].shape[1]
             return global_agg_kwargs(mini, scale, *self._loss_mask(mini.batch))
 
-        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, float]) -> torch.Tensor:
+        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, Metric]) -> torch.Tensor:
             b = micro.batch
             mask, _ = self._loss_mask(b)
             log_prob, entropy = outputs["log_probs"], outputs.get("entropy")
@@ -126,20 +130,20 @@ class PPOActor(EngineModel):
             loss = pg_loss
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, mode, **agg)
+            tokens = float(mask.sum().item())  # the micro-batch's loss tokens: the weight of its local means
             if cfg.use_kl_loss:
                 kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
                 kl_loss = agg_loss(kl, mask, mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                _add(stats, "actor/kl_loss", kl_loss.item())
-            frac = mask.sum().item() / max(agg["num_tokens"], 1.0)
+                accumulate(stats, "actor/kl_loss", loss_metric(kl_loss, agg, tokens))
             if on_policy:
-                _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask, frac)
-            _add(stats, "actor/pg_loss", pg_loss.item())
-            _add(stats, "actor/pg_clipfrac", pg_clipfrac.item() * frac)
-            _add(stats, "actor/pg_clipfrac_lower", pg_clipfrac_lower.item() * frac)
-            _add(stats, "actor/ppo_kl", ppo_kl.item() * frac)
+                _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask)
+            accumulate(stats, "actor/pg_loss", loss_metric(pg_loss, agg, tokens))
+            for key, local_mean in (("pg_clipfrac", pg_clipfrac), ("pg_clipfrac_lower", pg_clipfrac_lower),
+                                    ("ppo_kl", ppo_kl)):  # means over this micro-batch's loss tokens
+                accumulate(stats, f"actor/{key}", Mean(float(local_mean.item()) * tokens, tokens))
             if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
-                _add_is_weight_stats(stats, b["rollout_log_probs"], log_prob.detach(), mask, frac)
+                _add_is_weight_stats(stats, b["rollout_log_probs"], log_prob.detach(), mask)
             return loss
 
         return update_mini_batches(self.engine, data, micro_loss, agg_kwargs, mini_batch_size=mini_batch_size,
@@ -180,32 +184,24 @@ def _on_policy(data: DataProto, epochs: int, mini_batch_size: int) -> bool:
     return True
 
 
-def _add_is_weight_stats(stats: dict[str, float], rollout_log_probs: torch.Tensor, log_prob: torch.Tensor,
-                         mask: torch.Tensor, frac: float) -> None:
-    """``actor/is_weight_mean`` (token-weighted by ``frac``), ``_max`` and ``_min`` of pi_theta / mu over the valid
-    tokens of ``mask`` (B, R)."""
+def _add_is_weight_stats(stats: dict[str, Metric], rollout_log_probs: torch.Tensor, log_prob: torch.Tensor,
+                         mask: torch.Tensor) -> None:
+    """``actor/is_weight_mean`` (token-weighted), ``_max`` and ``_min`` of pi_theta / mu over the valid tokens of
+    ``mask`` (B, R); logprobs (B, R) fp32."""
     w = torch.exp((log_prob - rollout_log_probs).clamp(max=20.0))[mask.bool()]
-    if w.numel():
-        _add(stats, "actor/is_weight_mean", w.mean().item() * frac)
-        stats["actor/is_weight_max"] = max(stats.get("actor/is_weight_max", 0.0), w.max().item())
-        stats["actor/is_weight_min"] = min(stats.get("actor/is_weight_min", 1e30), w.min().item())
+    accumulate(stats, "actor/is_weight_mean", Mean.of(w))
+    accumulate(stats, "actor/is_weight_max", Max.of(w))
+    accumulate(stats, "actor/is_weight_min", Min.of(w))
 
 
-def _add_on_policy_stats(stats: dict[str, float], b, log_prob: torch.Tensor, entropy: torch.Tensor,
-                         mask: torch.Tensor, frac: float) -> None:
+def _add_on_policy_stats(stats: dict[str, Metric], b, log_prob: torch.Tensor, entropy: torch.Tensor,
+                         mask: torch.Tensor) -> None:
     """What the skipped old-logprob pass would have logged (``hybridflow.trainer.steps.compute_data_metrics``),
     from the update's own forward: ``actor/entropy``, ``rollout/kl`` (with ``ref_log_prob``) and
-    ``rollout/logprob_diff_max`` (with ``rollout_log_probs``); token-weighted by ``frac`` like the losses."""
-    maskf = mask.float()
-    n = maskf.sum().clamp(min=1.0)
-    _add(stats, "actor/entropy", ((entropy * maskf).sum() / n).item() * frac)
+    ``rollout/logprob_diff_max`` (with ``rollout_log_probs``), over the valid tokens of ``mask`` (B, R)."""
+    valid = mask.bool()
+    accumulate(stats, "actor/entropy", Mean.of(entropy[valid]))
     if "ref_log_prob" in b:
-        _add(stats, "rollout/kl", (((log_prob - b["ref_log_prob"]) * maskf).sum() / n).item() * frac)
+        accumulate(stats, "rollout/kl", Mean.of((log_prob - b["ref_log_prob"])[valid]))
     if "rollout_log_probs" in b:
-        diff = (b["rollout_log_probs"] - log_prob).abs()[mask.bool()]
-        stats["rollout/logprob_diff_max"] = max(stats.get("rollout/logprob_diff_max", 0.0),
-                                                diff.max().item() if diff.numel() else 0.0)
-
-
-def _add(d: dict[str, float], key: str, value: float) -> None:
-    d[key] = d.get(key, 0.0) + value
+        accumulate(stats, "rollout/logprob_diff_max", Max.of((b["rollout_log_probs"] - log_prob).abs()[valid]))

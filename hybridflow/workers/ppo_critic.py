@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms import compute_value_loss, masked_mean
+from hybridflow.algorithms import compute_value_loss
 from hybridflow.protocol import DataProto
 from hybridflow.training import update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
+from hybridflow.training.update import loss_metric
+from hybridflow.utils.metrics import Mean, Metric, accumulate
 from hybridflow.workers.engine_model import EngineModel
 
 
@@ -47,22 +49,22 @@ class PPOCritic(EngineModel):
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int = 0) -> dict[str, float]:
         """Clipped value regression towards ``returns`` (B, R); ``values`` (B, R) are the rollout-time values.
-        ``mini_batch_size`` is in sequences per rank. Returns metrics averaged over mini-batches and ranks
-        (the loop: :func:`hybridflow.training.update_mini_batches`)."""
+        ``mini_batch_size`` is in sequences per rank. Returns the metrics pooled by kind over mini-batches,
+        micro-batches and ranks (the loop: :func:`hybridflow.training.update_mini_batches`): ``critic/vf_loss`` as
+        the mini-batch's loss, ``critic/vf_clipfrac`` and ``critic/vpred_mean`` token-weighted."""
         cfg = self.config
 
-        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, float]) -> torch.Tensor:
+        def micro_loss(micro: DataProto, outputs: dict, agg: dict, stats: dict[str, Metric]) -> torch.Tensor:
             b = micro.batch
             mask = b["response_mask"]
             vpreds = outputs["values"]
             vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, b["returns"], b["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode, **agg
             )
-            frac = mask.sum().item() / max(agg["num_tokens"], 1.0)
-            stats["critic/vf_loss"] = stats.get("critic/vf_loss", 0.0) + vf_loss.item()
-            stats["critic/vf_clipfrac"] = stats.get("critic/vf_clipfrac", 0.0) + vf_clipfrac.item() * frac
-            vpred_mean = masked_mean(vpreds.detach(), mask).item() * frac
-            stats["critic/vpred_mean"] = stats.get("critic/vpred_mean", 0.0) + vpred_mean
+            tokens = float(mask.sum().item())
+            accumulate(stats, "critic/vf_loss", loss_metric(vf_loss, agg, tokens))
+            accumulate(stats, "critic/vf_clipfrac", Mean(float(vf_clipfrac.item()) * tokens, tokens))
+            accumulate(stats, "critic/vpred_mean", Mean.of(vpreds.detach()[mask.bool()]))
             return vf_loss
 
         return update_mini_batches(

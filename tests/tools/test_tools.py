@@ -58,6 +58,15 @@ def test_hermes_parse():
         get_tool_format("hermez")
 
 
+def test_hermes_parse_reads_empty_string_arguments_as_no_arguments():
+    # a call without arguments written as "" (as chat APIs serialise it) is a call with {} -- not an error
+    calls = get_tool_format("hermes").parse('<tool_call>{"name": "now", "arguments": ""}</tool_call>'
+                                            '<tool_call>{"name": "now", "arguments": " "}</tool_call>'
+                                            '<tool_call>{"name": "now", "arguments": "[1]"}</tool_call>')
+    assert [(c.name, c.arguments, c.error) for c in calls[:2]] == [("now", {}, None), ("now", {}, None)]
+    assert calls[2].error == 'tool call "arguments" must be a JSON object'
+
+
 class _Slow(Tool):
     async def call(self, arguments, *, instance_id=None):
         await asyncio.sleep(arguments.get("seconds", 5))

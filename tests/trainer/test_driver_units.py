@@ -10,6 +10,7 @@ import torch
 
 from hybridflow.config import load_config
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.driver import Driver
 from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.ppo import PPOTrainer
 from hybridflow.trainer.safe_rlhf import SafeRLHFTrainer
@@ -115,6 +116,17 @@ def test_safe_rlhf_checkpoint_carries_the_multiplier_and_the_cost_critic(tmp_pat
     assert TrainLoop(cfg, fresh).resume() == 3
     assert fresh.lagrange.state_dict() == trainer.lagrange.state_dict()
     assert [g.loaded for g in fresh_groups] == [os.path.join(path, n) for n in ("actor", "critic", "cost_critic")]
+
+
+def test_a_driver_without_worker_groups_checkpoints_and_resumes(tmp_path):
+    # a user driver that trains nothing in worker groups: the checkpoint holds the config and the loop's state
+    cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    loop = TrainLoop(cfg, Driver())
+    loop.global_step = 2
+    path = loop.save_checkpoint()
+    assert path == os.path.join(str(tmp_path), "global_step_2")
+    assert sorted(os.listdir(path)) == ["config.yaml", "trainer_state.pt"]
+    assert TrainLoop(cfg, Driver()).resume() == 2
 
 
 def test_resuming_another_drivers_checkpoint_names_what_is_missing(tmp_path):
