@@ -107,6 +107,7 @@ TIERS: dict[str, str] = {
     "trainer/test_uneven_batches.py::test_odd_sequence_count_is_refused_at_load": "unit",
     "trainer/test_uneven_batches.py::test_train_two_steps_with_n2_and_validate_odd_set": "e2e",
     "trainer/test_worker_failure.py": "e2e",
+    "training/test_metric_pooling.py": "dist",
     "training/test_cpu_attention_dtype.py::test_fsdp2_engine_switches_bf16_models_on_cpu_only": "dist",
     "training/test_fsdp2_kept_gathered.py": "dist",
     "training/test_lora_mixed_precision.py": "dist",
