@@ -88,6 +88,20 @@ class ActorConfig:
     aipo_rho: float = 4.0  # AIPO cap rho on the importance weight pi/mu (policy_loss=aipo; LlamaRL suggests 2-10)
     # truncated importance sampling: weight vanilla/gspo token losses by min(exp(old - rollout logprob), cap); <= 0 off
     tis_imp_ratio_cap: float = -1.0
+    # the ratio TIS truncates: token (min(rho_t, cap) per token) | sequence (Seq-TIS: min(prod_t rho_t, cap) on every
+    # token of the response), rho = pi_old / mu (verl: algorithm.rollout_correction.rollout_is)
+    tis_level: str = "token"
+    # masked importance sampling (MIS) of the rollout/trainer mismatch rho = pi_old / mu: null (off) | token |
+    # sequence (prod_t rho_t) | geometric (exp(mean_t log rho_t)); a token (a whole response at sequence/geometric
+    # level) whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold] is masked out of the policy loss
+    # (weight 0, not clipped; every policy loss). verl's algorithm.rollout_correction.rollout_rs (its rejection sampling)
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None  # MIS upper bound on rho; null = 2.0 (verl's rollout_is_threshold)
+    rollout_rs_threshold_lower: Optional[float] = None  # MIS lower bound on rho; null = 1 / rollout_rs_threshold (verl)
+    # policy_loss=icepop (IcePop, arXiv 2510.18855): tokens whose pi_old / mu is outside [icepop_alpha, icepop_beta] are
+    # masked out of the loss, the rest weighted by pi_old / mu; the paper's band is [0.5, 5]
+    icepop_alpha: float = 0.5  # IcePop lower bound alpha >= 0 on pi_old / mu
+    icepop_beta: float = 5.0  # IcePop upper bound beta > alpha on pi_old / mu
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     # the constant L of seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums are divided by L; null means
     # data.max_response_length (never the padded width of a batch)
