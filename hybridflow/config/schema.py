@@ -128,6 +128,9 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 disables top-k
     n: int = 1  # samples per prompt
+    # validation with n >= 2 samples: a response counts as correct in val/pass@k when its score is >= this (the
+    # built-in rule rewards give 1.0 to a right answer)
+    pass_threshold: float = 1.0
 
 
 @dataclass
@@ -164,7 +167,8 @@ class RolloutConfig:
     # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
     lora_sync: str = "merged"
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
-    # with these settings and logs val/mean@<n>
+    # with these settings and logs val/mean@<n>, and with n >= 2 val/pass@k, val/best@k (k = 2, 4, ..., n) and
+    # val/maj@<n> (docs/concepts/rollout.md)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
