@@ -42,6 +42,8 @@ from hybridflow.algorithms.losses import (
     policy_loss_meta,
     register_policy_loss,
 )
+from hybridflow.algorithms.losses_icepop import compute_policy_loss_icepop
+from hybridflow.algorithms.rollout_correction import correction_weights, masked_token_fractions, tis_weights
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, compute_safe_rlhf_advantage
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits, truncation_mask
 from hybridflow.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
@@ -63,6 +65,7 @@ __all__ = [
     "compute_policy_loss",
     "compute_policy_loss_aipo",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_icepop",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -70,6 +73,7 @@ __all__ = [
     "compute_rloo_outcome_advantage",
     "compute_safe_rlhf_advantage",
     "compute_value_loss",
+    "correction_weights",
     "entropy_from_logits",
     "get_adv_estimator_fn",
     "get_kl_controller",
@@ -80,6 +84,7 @@ __all__ = [
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
+    "masked_token_fractions",
     "masked_var",
     "masked_whiten",
     "needs_critic",
@@ -90,5 +95,6 @@ __all__ = [
     "register_adv_est",
     "register_policy_loss",
     "sampling_logits",
+    "tis_weights",
     "truncation_mask",
 ]

@@ -27,10 +27,12 @@ parameter, even if it ignores it; ``meta`` declares what it reads, see
 ``compute_policy_loss`` keeps verl's direct signature (explicit clip ranges) and is what
 ``"vanilla"`` computes.
 
-Truncated importance sampling (TIS) of the rollout/trainer mismatch: with
-``actor.tis_imp_ratio_cap > 0``, ``"vanilla"`` and ``"gspo"`` multiply their per-token loss by
-the constant ``min(exp(old_log_prob - rollout_log_probs), cap)`` before aggregation (see
-:func:`tis_weights`). ``"aipo"`` corrects the same gap with its own cap ``actor.aipo_rho``.
+Rollout/trainer mismatch corrections (:mod:`~hybridflow.algorithms.rollout_correction`): with
+``actor.tis_imp_ratio_cap > 0`` (truncated IS, token or sequence level per ``actor.tis_level``) ``"vanilla"`` and
+``"gspo"`` multiply their per-token loss by the constant ``min(rho, cap)`` before aggregation (see
+:func:`tis_weights`); with ``actor.rollout_rs`` (masked IS) every loss, ``"aipo"`` and ``"icepop"`` included,
+multiplies it by 0 where the ratio leaves the band. ``"aipo"`` corrects the gap with its own cap
+``actor.aipo_rho``, ``"icepop"`` (:mod:`~hybridflow.algorithms.losses_icepop`) with its own two-sided mask.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from hybridflow.algorithms.aggregation import LOSS_AGG_MODES, Number, agg_loss, 
 from hybridflow.algorithms.losses_aipo import compute_policy_loss_aipo
 from hybridflow.algorithms.losses_gspo import GSPO_LOSS_AGG_MODE, _warn_gspo_agg_mode, compute_policy_loss_gspo
 from hybridflow.algorithms.policy_loss_registry import (LOG_RATIO_CLAMP, POLICY_LOSSES, get_policy_loss_fn,
-                                                        importance_weight_cap, policy_loss_meta, register_policy_loss,
-                                                        tis_weights)
+                                                        importance_weight_cap, policy_loss_meta, register_policy_loss)
+from hybridflow.algorithms.rollout_correction import correction_weights, tis_weights
 from hybridflow.algorithms.utils import masked_mean
 
 __all__ = [
@@ -237,17 +239,17 @@ def compute_policy_loss_vanilla(
     rollout_log_probs: Optional[torch.Tensor] = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Registry form of :func:`compute_policy_loss`, with optional truncated importance sampling.
+    """Registry form of :func:`compute_policy_loss`, with optional truncated / masked importance sampling.
 
     Reads ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high`` and ``clip_ratio_c`` (default 3.0)
     from ``config`` (the actor config) by attribute; see :func:`compute_policy_loss` for the rest.
-    With ``config.tis_imp_ratio_cap > 0`` each token's clipped loss is multiplied by the constant
-    :func:`tis_weights` ``min(exp(old_log_prob - rollout_log_probs), cap)`` before aggregation;
-    ``rollout_log_probs`` (``(B, T)`` float32) is otherwise unused. The three metrics are those of
-    :func:`compute_policy_loss` (unweighted).
+    With ``config.tis_imp_ratio_cap > 0`` and/or ``config.rollout_rs`` each token's clipped loss is multiplied by
+    the constant :func:`~hybridflow.algorithms.rollout_correction.correction_weights` (``min(rho, cap)`` times the
+    MIS keep mask) before aggregation; ``rollout_log_probs`` (``(B, T)`` float32) is otherwise unused. The three
+    metrics are those of :func:`compute_policy_loss` (unweighted).
 
     Raises:
-        ValueError: see :func:`compute_policy_loss`; TIS on without ``rollout_log_probs``.
+        ValueError: see :func:`compute_policy_loss`; TIS or MIS on without ``rollout_log_probs``.
     """
     pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower = _ppo_clip_token_losses(
         old_log_prob, log_prob, advantages, response_mask,
@@ -256,8 +258,8 @@ def compute_policy_loss_vanilla(
         cliprange_high=getattr(config, "clip_ratio_high", None),
         clip_ratio_c=getattr(config, "clip_ratio_c", 3.0),
     )
-    tis = tis_weights(old_log_prob, rollout_log_probs, response_mask, config, "vanilla")
-    if tis is not None:
-        pg_losses = pg_losses * tis
+    weights = correction_weights(old_log_prob, rollout_log_probs, response_mask, config, "vanilla")
+    if weights is not None:
+        pg_losses = pg_losses * weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower

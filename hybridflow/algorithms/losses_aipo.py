@@ -14,6 +14,7 @@ import torch
 
 from hybridflow.algorithms.aggregation import agg_loss, check_same_shape
 from hybridflow.algorithms.policy_loss_registry import LOG_RATIO_CLAMP, register_policy_loss
+from hybridflow.algorithms.rollout_correction import rejection_keep
 from hybridflow.algorithms.utils import masked_mean
 
 __all__ = ["compute_policy_loss_aipo"]
@@ -86,6 +87,9 @@ def compute_policy_loss_aipo(
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=float(rho))  # detached: log_ratio was built from detached inputs
     pg_losses = -weight * advantages * torch.where(valid, log_prob, zeros)
+    keep = rejection_keep(old_log_prob, rollout_log_probs, response_mask, config, "aipo")
+    if keep is not None:
+        pg_losses = pg_losses * keep.float()
 
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
     with torch.no_grad():

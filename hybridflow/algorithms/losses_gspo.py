@@ -27,7 +27,8 @@ from typing import Any, Optional
 import torch
 
 from hybridflow.algorithms.aggregation import agg_loss, check_same_shape
-from hybridflow.algorithms.policy_loss_registry import LOG_RATIO_CLAMP, clip_range, register_policy_loss, tis_weights
+from hybridflow.algorithms.policy_loss_registry import LOG_RATIO_CLAMP, clip_range, register_policy_loss
+from hybridflow.algorithms.rollout_correction import correction_weights
 from hybridflow.algorithms.utils import masked_mean
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ def compute_policy_loss_gspo(
     ``loss_agg_mode``: GSPO's objective averages over sequences and then tokens, so the loss always uses
     ``"seq-mean-token-mean"``; any other value is ignored (a warning is logged once per value). With
     ``config.tis_imp_ratio_cap > 0`` each ``l_{i,t}`` is multiplied by the constant token weight
-    ``min(exp(old_log_prob - rollout_log_probs), cap)`` (:func:`tis_weights`) before aggregation, as for
-    ``"vanilla"``. Only ``log_prob`` receives a gradient; ``old_log_prob`` and ``advantages`` are constants.
+    ``min(exp(old_log_prob - rollout_log_probs), cap)`` (:func:`~hybridflow.algorithms.rollout_correction.tis_weights`) before aggregation, as for
+    ``"vanilla"`` (``tis_level=sequence``: ``min(rho(y), cap)``); with ``config.rollout_rs`` the tokens MIS rejects
+    get weight 0 (:func:`~hybridflow.algorithms.rollout_correction.correction_weights`). Only ``log_prob`` receives a
+    gradient; ``old_log_prob`` and ``advantages`` are constants.
 
     Args:
         old_log_prob: ``(B, T)`` log-probs of the behaviour (rollout-time) policy.
@@ -84,8 +87,8 @@ def compute_policy_loss_gspo(
         response_mask: ``(B, T)`` 0/1 mask of valid response tokens.
         loss_agg_mode: ignored unless ``"seq-mean-token-mean"`` (see above).
         config: actor config read by attribute: ``clip_ratio_low`` / ``clip_ratio_high`` (each falling back to
-            ``clip_ratio``), ``tis_imp_ratio_cap``.
-        rollout_log_probs: ``(B, T)`` float32 sampling log-probs of the rollout; used only by TIS.
+            ``clip_ratio``), ``tis_imp_ratio_cap``, ``tis_level``, ``rollout_rs*``.
+        rollout_log_probs: ``(B, T)`` float32 sampling log-probs of the rollout; used only by TIS and MIS.
         **agg_kwargs: ``num_seqs`` (the mini-batch total when accumulating micro-batches; ``num_tokens`` /
             ``loss_scale_factor`` are unused by this mode).
 
@@ -95,13 +98,13 @@ def compute_policy_loss_gspo(
         level, clamped like the log-ratio); 0 (GSPO has no dual-clip). The last three are detached.
 
     Raises:
-        ValueError: no clip range in ``config``, input shapes differ, or TIS is on without
+        ValueError: no clip range in ``config``, input shapes differ, or TIS / MIS is on without
             ``rollout_log_probs``.
     """
     check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages,
                      response_mask=response_mask)
     low, high = clip_range(config, "gspo")
-    tis = tis_weights(old_log_prob, rollout_log_probs, response_mask, config, "gspo")
+    tis = correction_weights(old_log_prob, rollout_log_probs, response_mask, config, "gspo")
     if loss_agg_mode != GSPO_LOSS_AGG_MODE:
         _warn_gspo_agg_mode(loss_agg_mode)
     valid = response_mask != 0

@@ -1,5 +1,5 @@
-"""The policy-loss registry and what the registered losses share (the log-ratio clamp, truncated importance
-sampling of the rollout/trainer mismatch, the clip range read from the actor config).
+"""The policy-loss registry and what the registered losses share (the log-ratio clamp, the clip range read from the
+actor config; the rollout/trainer mismatch corrections are in :mod:`hybridflow.algorithms.rollout_correction`).
 
 The common signature of a registered loss and the meaning of its arguments are documented in
 :mod:`hybridflow.algorithms.losses`. Metadata a loss may declare (read with :func:`policy_loss_meta`, so no code
@@ -11,7 +11,12 @@ decides on a loss's name):
   importance weight ``pi / mu`` (AIPO: ``aipo_rho``); a loss without one is capped by truncated IS
   (``tis_imp_ratio_cap``) when that is on;
 - ``corrects_off_policy=True``: the loss weights stale samples by ``pi / mu`` itself, so the async driver may
-  train on samples older than the policy without another correction (AIPO).
+  train on samples older than the policy without another correction (AIPO, IcePop);
+- ``masked_tokens=(metric, fn)``: the loss masks tokens out by the mismatch ratio itself; ``fn(old_log_prob,
+  rollout_log_probs, response_mask, config)`` gives the ``(B, T)`` bool of the masked ones and the actor logs their
+  share of the valid tokens as ``metric`` (IcePop: ``actor/icepop_masked_frac``);
+- ``own_mismatch_weight=True``: the loss weights tokens by the mismatch ratio itself, so truncated IS
+  (``tis_imp_ratio_cap``) would weight them twice and is refused with it (IcePop).
 
 Shapes: ``(B, T)`` = batch, response tokens.
 """
@@ -23,7 +28,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from hybridflow.algorithms.aggregation import check_same_shape
 from hybridflow.registry import Registry
 
 __all__ = ["LOG_RATIO_CLAMP", "POLICY_LOSSES", "get_policy_loss_fn", "importance_weight_cap", "policy_loss_meta",
@@ -89,49 +93,6 @@ def importance_weight_cap(actor_config: Any) -> Optional[float]:
     cap = getattr(actor_config, "tis_imp_ratio_cap", None)
     return cap if cap is not None and cap > 0 else None
 
-
-def tis_weights(
-    old_log_prob: torch.Tensor,
-    rollout_log_probs: Optional[torch.Tensor],
-    response_mask: torch.Tensor,
-    config: Any,
-    loss: str,
-) -> Optional[torch.Tensor]:
-    """Truncated importance-sampling weights of the rollout/trainer mismatch, or None when TIS is off.
-
-    With ``cap = config.tis_imp_ratio_cap`` (off when missing or ``<= 0``), per token
-    ``w = min(exp(old_log_prob - rollout_log_probs), cap)``: the ratio of the trainer's behaviour
-    log-probs to those the rollout engine actually sampled with (they differ by kernels, precision
-    or a quantized/stale generator), truncated at ``cap`` -- truncated importance sampling
-    (Ionides 2008; applied to the rollout/trainer gap by Yao et al. 2025, "Your efficient RL
-    framework secretly brings you off-policy RL training", and verl's ``tis_imp_ratio_cap``). The
-    log-ratio is clamped to ``[-20, 20]`` before ``exp``; the weights carry no gradient.
-
-    Args:
-        old_log_prob: ``(B, T)`` behaviour log-probs recomputed by the trainer.
-        rollout_log_probs: ``(B, T)`` float32 log-probs recorded by the rollout, or None.
-        response_mask: ``(B, T)`` 0/1; padded entries get ``min(1, cap)`` (their loss is 0 anyway).
-        config: the actor config, read by attribute.
-        loss: the policy-loss name, for the error message.
-
-    Returns:
-        ``(B, T)`` detached weights in ``(0, cap]``, or None.
-
-    Raises:
-        ValueError: TIS is on but ``rollout_log_probs`` is None, or its shape differs.
-    """
-    cap = getattr(config, "tis_imp_ratio_cap", None)
-    if cap is None or cap <= 0:
-        return None
-    if rollout_log_probs is None:
-        raise ValueError(f"actor.tis_imp_ratio_cap={cap} turns on truncated importance sampling in policy loss "
-                         f"{loss!r}, which needs rollout_log_probs (the rollout's sampling log-probs); got None. "
-                         "Set actor.tis_imp_ratio_cap=-1 to turn it off, or keep rollout_log_probs in the batch")
-    check_same_shape(old_log_prob=old_log_prob, rollout_log_probs=rollout_log_probs)
-    valid = response_mask != 0
-    log_ratio = torch.where(valid, old_log_prob.detach() - rollout_log_probs.detach(),
-                            torch.zeros_like(old_log_prob))
-    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=float(cap))
 
 def clip_range(config: Any, loss: str) -> tuple[float, float]:
     """``(eps_low, eps_high)`` from ``clip_ratio_low``/``clip_ratio_high``, each falling back to ``clip_ratio``."""

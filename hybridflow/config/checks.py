@@ -252,6 +252,32 @@ def off_policy_problems(get: Callable[[str], Any]) -> list[str]:
             "or async_training.max_staleness=0"]
 
 
+def mismatch_problems(get: Callable[[str], Any]) -> list[str]:
+    """The rollout/trainer mismatch corrections (:mod:`hybridflow.algorithms.rollout_correction`, IcePop): ordered
+    bands; truncated IS not on top of a loss that weights by the mismatch ratio itself; and none of them with
+    ``bypass_old_log_prob`` (pi_old is then mu, every ratio 1: nothing would be weighted or masked)."""
+    actor = "actor_rollout_ref.actor"
+    problems = []
+    level, upper, lower = get(f"{actor}.rollout_rs"), get(f"{actor}.rollout_rs_threshold"), \
+        get(f"{actor}.rollout_rs_threshold_lower")
+    if level is not None and upper is not None and upper > 0 and lower is not None and lower > upper:
+        problems.append(f"{actor}.rollout_rs_threshold_lower ({lower}) must be <= {actor}.rollout_rs_threshold "
+                        f"({upper})")
+    loss, tis = get(f"{actor}.policy_loss"), (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0
+    own_band = declared("policy_loss", loss, "masked_tokens") is not None
+    if own_band and not get(f"{actor}.icepop_alpha") < get(f"{actor}.icepop_beta"):
+        problems.append(f"{actor}.icepop_alpha ({get(f'{actor}.icepop_alpha')}) must be < {actor}.icepop_beta "
+                        f"({get(f'{actor}.icepop_beta')})")
+    if tis and declared("policy_loss", loss, "own_mismatch_weight"):
+        problems.append(f"{actor}.policy_loss={loss} already weights each token by pi_old/mu; "
+                        f"{actor}.tis_imp_ratio_cap would weight it twice: set it to -1")
+    if get("algorithm.bypass_old_log_prob") and (level is not None or own_band):
+        what = f"{actor}.rollout_rs={level}" if level is not None else f"{actor}.policy_loss={loss}"
+        problems.append(f"algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so {what} "
+                        "would see pi_old/mu = 1 on every token and mask nothing: turn one of them off")
+    return problems
+
+
 def strategy_problems(get: Callable[[str], Any]) -> list[str]:
     """Each ``*.strategy`` must name a registered training engine (:data:`hybridflow.training.ENGINES`; a user
     engine registers from a plugin module). The registry is imported only when a value is not the default."""

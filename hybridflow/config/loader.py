@@ -33,9 +33,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
-                                      fsdp_size_problems, logger_problems, need_critic_for, parallel_layout_problems,
-                                      reward_fn_problems, rollout_package_problems, score_model_problems,
-                                      strategy_problems, trained_model_problems)
+                                      fsdp_size_problems, logger_problems, mismatch_problems, need_critic_for,
+                                      parallel_layout_problems, reward_fn_problems, rollout_package_problems,
+                                      score_model_problems, strategy_problems, trained_model_problems)
 from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
@@ -131,6 +131,12 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
      lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
     (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
+    (("actor_rollout_ref.actor.tis_level",), lambda v: v in ("token", "sequence"), "must be token or sequence"),
+    (("actor_rollout_ref.actor.rollout_rs",), lambda v: v is None or v in ("token", "sequence", "geometric"),
+     "must be null (off), token, sequence or geometric"),
+    (("actor_rollout_ref.actor.rollout_rs_threshold",), lambda v: v is None or v > 0, "must be null or > 0"),
+    (("actor_rollout_ref.actor.rollout_rs_threshold_lower", "actor_rollout_ref.actor.icepop_alpha"),
+     lambda v: v is None or v >= 0, "must be >= 0"),
     (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
     (("algorithm.lagrangian.lambda_lr", "reward_model.overlong_buffer.penalty_factor"), lambda v: v >= 0,
      "must be >= 0"),
@@ -423,7 +429,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get),
-               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get)]
+               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

@@ -91,6 +91,20 @@ class ActorConfig:
     aipo_rho: float = 4.0  # AIPO cap rho on the importance weight pi/mu (policy_loss=aipo; LlamaRL suggests 2-10)
     # truncated importance sampling: weight vanilla/gspo token losses by min(exp(old - rollout logprob), cap); <= 0 off
     tis_imp_ratio_cap: float = -1.0
+    # the ratio TIS truncates: token (min(rho_t, cap) per token) | sequence (Seq-TIS: min(prod_t rho_t, cap) on every
+    # token of the response), rho = pi_old / mu (verl: algorithm.rollout_correction.rollout_is)
+    tis_level: str = "token"
+    # masked importance sampling (MIS) of the rollout/trainer mismatch rho = pi_old / mu: null (off) | token |
+    # sequence (prod_t rho_t) | geometric (exp(mean_t log rho_t)); a token (a whole response at sequence/geometric
+    # level) whose ratio leaves [rollout_rs_threshold_lower, rollout_rs_threshold] is masked out of the policy loss
+    # (weight 0, not clipped; every policy loss). verl's algorithm.rollout_correction.rollout_rs (its rejection sampling)
+    rollout_rs: Optional[str] = None
+    rollout_rs_threshold: Optional[float] = None  # MIS upper bound on rho; null = 2.0 (verl's rollout_is_threshold)
+    rollout_rs_threshold_lower: Optional[float] = None  # MIS lower bound on rho; null = 1 / rollout_rs_threshold (verl)
+    # policy_loss=icepop (IcePop, arXiv 2510.18855): tokens whose pi_old / mu is outside [icepop_alpha, icepop_beta] are
+    # masked out of the loss, the rest weighted by pi_old / mu; the paper's band is [0.5, 5]
+    icepop_alpha: float = 0.5  # IcePop lower bound alpha >= 0 on pi_old / mu
+    icepop_beta: float = 5.0  # IcePop upper bound beta > alpha on pi_old / mu
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     # the constant L of seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums are divided by L; null means
     # data.max_response_length (never the padded width of a batch)
@@ -117,6 +131,9 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # -1 disables top-k
     n: int = 1  # samples per prompt
+    # validation with n >= 2 samples: a response counts as correct in val/pass@k when its score is >= this (the
+    # built-in rule rewards give 1.0 to a right answer)
+    pass_threshold: float = 1.0
 
 
 @dataclass
@@ -153,7 +170,8 @@ class RolloutConfig:
     # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
     lora_sync: str = "merged"
     # validation always runs a greedy pass (val/score); with val_kwargs.do_sample it also runs a sampled pass
-    # with these settings and logs val/mean@<n>
+    # with these settings and logs val/mean@<n>, and with n >= 2 val/pass@k, val/best@k (k = 2, 4, ..., n) and
+    # val/maj@<n> (docs/concepts/rollout.md)
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 

@@ -12,13 +12,14 @@ from collections.abc import Mapping, Sequence
 import importlib
 import importlib.util
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from hybridflow.errors import DataError
 from hybridflow.registry import Registry
 from hybridflow.rewards import gsm8k, math, tool_arith
 
 RewardFn = Callable[[str, str, Any], float]
+AnswerFn = Callable[[str], Optional[str]]  # a response's final answer, canonical, or None
 # verl's custom reward function: fn(data_source, solution_str, ground_truth, extra_info=None) -> float
 ComputeScoreFn = Callable[[str, str, str, Any], float]
 MATH_DATA_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
@@ -26,11 +27,14 @@ REWARDS: Registry = Registry("reward", missing="no reward registered for data_so
 REWARD_REGISTRY = REWARDS  # the former name (it was a dict; the Registry keeps ``pop`` and ``in``)
 
 
-def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
+def register_reward(*data_sources: str,
+                    extract_answer: Optional[AnswerFn] = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` for data sources.
 
     A data source has one scorer: registering one that is taken raises, even with the same function (two modules
-    claiming one data source is a mistake worth a clear error).
+    claiming one data source is a mistake worth a clear error). ``extract_answer(solution_str) -> str | None``, when
+    given, returns the final answer a response gives, in a canonical form two responses can be compared by (the
+    majority vote of validation's ``maj@n``; :func:`extract_answer`).
 
     Raises:
         ValueError: no data source given, or one is already registered.
@@ -42,10 +46,21 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
         for source in data_sources:
             if source in REWARDS:
                 raise ValueError(f"reward for data_source {source!r} is already registered")
-            REWARDS.register(source)(fn)
+            REWARDS.register(source, extract_answer=extract_answer)(fn)
         return fn
 
     return decorator
+
+
+def extract_answer(data_source: str, solution_str: str) -> Optional[str]:
+    """The final answer of a decoded response as the reward registered for ``data_source`` reads it (its
+    ``extract_answer``), or None: no answer in the response, no reward for the data source, or a reward that
+    declares no extractor (a user's ``reward_model.compute_score`` is a black box: its rows vote only when their
+    data source has a registered extractor)."""
+    if data_source not in REWARDS:
+        return None
+    fn = REWARDS.meta(data_source, "extract_answer")
+    return None if fn is None else fn(solution_str)
 
 
 def default_compute_score(
@@ -131,21 +146,38 @@ def load_compute_score(spec: str) -> ComputeScoreFn:
     return fn
 
 
-@register_reward("openai/gsm8k", "hybridflow/arith")
+def _number_answer(solution_str: str) -> Optional[str]:
+    """GSM8K strict extraction (the number after the last ``####``), as a plain decimal: ``"$1,000.50"`` ->
+    ``"1000.5"``; a non-number as written."""
+    answer = gsm8k.extract_solution(solution_str, method="strict")
+    if answer is None:
+        return None
+    value = gsm8k.normalize_number(answer)
+    return answer.strip() if value is None else format(value.normalize(), "f")
+
+
+def _boxed_answer(solution_str: str) -> Optional[str]:
+    """The last ``\\boxed{}`` of the response without whitespace (no mathematical normalisation)."""
+    answer = math.extract_boxed_answer(solution_str)
+    return None if answer is None else "".join(answer.split())
+
+
+@register_reward("openai/gsm8k", "hybridflow/arith", extract_answer=_number_answer)
 def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
 
 
-@register_reward("hybridflow/tool_arith")
+@register_reward("hybridflow/tool_arith", extract_answer=_number_answer)
 def _tool_arith(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return tool_arith.compute_score(solution_str, ground_truth, extra_info)
 
 
-@register_reward(*MATH_DATA_SOURCES)
+@register_reward(*MATH_DATA_SOURCES, extract_answer=_boxed_answer)
 def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return math.compute_score(solution_str, ground_truth)
 
 
-__all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score", "get_reward_fn",
+__all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score",
+           "extract_answer", "get_reward_fn",
            "load_compute_score", "register_reward",
            "gsm8k", "math", "tool_arith"]

@@ -2,7 +2,11 @@
 
 Always a greedy pass: ``val/score`` (mean@1) and ``val/score/<data_source>``. When
 ``rollout.val_kwargs`` asks for sampling (``do_sample`` with ``n >= 1``), also a sampled pass:
-``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``.
+``val/mean@<n>`` (the average score over n samples per prompt) and ``val/mean@<n>/<data_source>``; with n >= 2
+also ``val/pass@<k>`` (k = 1, 2, 4, ..., n; unbiased estimator, correct: score >= ``val_kwargs.pass_threshold``),
+``val/best@<k>`` (k = 2, 4, ..., n; exact expected best of k) and ``val/maj@<n>`` (majority vote over the answers the
+rule reward extracts), each also per data source (``val/pass@<k>/<data_source>``;
+:mod:`hybridflow.rewards.sample_metrics`).
 With a cost (Safe-RLHF), the greedy pass also gives ``val/cost`` (mean cost per response). Multi-turn runs also
 log the greedy pass's tool metrics: ``val/tool/calls_mean``, ``val/tool/correct_call``, ... (:func:`tool_metrics`).
 
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybridflow.protocol import DataProto
+from hybridflow.rewards.sample_metrics import sampled_metrics
 from hybridflow.rewards.validation import GREEDY, PROMPT_KEYS, generate_and_score, score_passes, summarise_scores
 from hybridflow.rollout.multi_turn import multi_turn_metrics
 
@@ -43,11 +48,18 @@ def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, c
         labels[f"val/mean@{kw.n}"] = f"mean@{kw.n}"
     costs: list[float] = []
     greedy: list[DataProto] = []
+    answers: dict[str, list] = {name: [] for name in passes}
 
     def score(rows: DataProto) -> list[float]:
-        return reward.compute_rm_score(rows).batch["token_level_scores"].sum(-1).tolist()
+        rows.meta_info["extract_answers"] = True  # the rule reward adds an "answer" column (maj@n)
+        out = reward.compute_rm_score(rows)
+        rows.meta_info.pop("extract_answers")
+        if "answer" in out.non_tensor_batch:
+            rows.non_tensor_batch["answer"] = out.non_tensor_batch["answer"]
+        return out.batch["token_level_scores"].sum(-1).tolist()
 
     def on_greedy(name: str, rows: DataProto, scores: list[float]) -> None:
+        answers[name].extend(rows.non_tensor_batch.get("answer", [None] * len(rows)))
         if name == "val/score":
             greedy.append(rows)
             if cost is not None:
@@ -59,6 +71,9 @@ def validate(config: DictConfig, actor: Any, reward: Any, val_data: DataProto, c
     metrics: dict[str, float] = {}
     for name, (scores, sources) in results.items():
         metrics.update(summarise_scores(name, scores, sources))
+    if kw.do_sample and kw.n >= 2:
+        scores, sources = results[f"val/mean@{kw.n}"]
+        metrics.update(sampled_metrics("val", scores, sources, answers[f"val/mean@{kw.n}"], kw.n, kw.pass_threshold))
     metrics.update(tool_metrics(greedy, "val"))
     if cost is not None:
         metrics["val/cost"] = float(np.mean(costs))

@@ -10,7 +10,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from hybridflow.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, overlong_filter_mask
+from hybridflow.algorithms import (agg_loss, get_policy_loss_fn, kl_penalty, masked_token_fractions,
+                                   overlong_filter_mask)
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.training import TrainEngine, update_mini_batches
@@ -88,7 +89,7 @@ class PPOActor(EngineModel):
 
         ``data`` needs ``input_ids``, ``attention_mask``, ``position_ids``, ``responses``, ``response_mask``,
         ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with ``use_kl_loss``; ``rollout_log_probs``, passed to
-        the policy loss when present, for ``aipo`` and ``tis_imp_ratio_cap``). ``mini_batch_size`` is
+        the policy loss when present, for ``aipo``, ``icepop``, ``tis_imp_ratio_cap`` and ``rollout_rs``). ``mini_batch_size`` is
         in sequences per rank. Each mini-batch is one optimizer step, accumulated over micro-batches with the
         normalisation of :mod:`hybridflow.training.micro` (the loop: :func:`hybridflow.training.update_mini_batches`). With ``actor.overlong_filter`` the loss (policy, entropy
         and KL terms) counts only responses whose ``truncated`` flag (B,) is False (:meth:`_loss_mask`). A non-finite gradient norm skips the step (counted in
@@ -97,7 +98,9 @@ class PPOActor(EngineModel):
         (token-weighted over mini-batches), clip fractions and ``ppo_kl`` token-weighted; with
         ``rollout_log_probs`` also the importance weights pi_theta / mu of the valid tokens as they enter the loss:
         ``actor/is_weight_mean`` (token-weighted), ``actor/is_weight_max`` and ``actor/is_weight_min`` (over every
-        valid token of every rank).
+        valid token of every rank), and the share of the valid tokens a mismatch mask took out of the loss:
+        ``actor/mis_masked_frac`` (``actor.rollout_rs``) and ``actor/icepop_masked_frac`` (``policy_loss=icepop``),
+        token-weighted like ``actor/pg_clipfrac``.
 
         Without ``old_log_probs`` (the driver skipped that forward: the samples come from exactly these weights and
         this is the only update of the batch, :mod:`hybridflow.trainer.old_log_prob`) pi_old is the detached current
@@ -144,6 +147,8 @@ class PPOActor(EngineModel):
                 accumulate(stats, f"actor/{key}", Mean(float(local_mean.item()) * tokens, tokens))
             if "rollout_log_probs" in b:  # pi_theta / mu: how far the sampling policy is from the trained one
                 _add_is_weight_stats(stats, b["rollout_log_probs"], log_prob.detach(), mask)
+                for name, share in masked_token_fractions(old_log_prob, b["rollout_log_probs"], mask, cfg).items():
+                    accumulate(stats, name, Mean(share * tokens, tokens))  # MIS / IcePop: share masked out
             return loss
 
         return update_mini_batches(self.engine, data, micro_loss, agg_kwargs, mini_batch_size=mini_batch_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
@@ -15,7 +16,7 @@ from hybridflow.models.hf import load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
-from hybridflow.rewards import load_compute_score
+from hybridflow.rewards import extract_answer, load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rewards.cost import get_cost_fn
 from hybridflow.workers.inputs import RuleRewardInputs, expect, expect_section
@@ -75,12 +76,21 @@ class RuleRewardWorker(Worker):
         ``data_source``, ``ground_truth`` (and ``extra_info`` if present), and ``reward_error`` (B,) bool.
 
         A scoring function that raises stops the run with an error naming the sample, unless
-        ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample."""
-        scores, errors = score_batch(self.tokenizer, data, error_score=self.config.error_score,
+        ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample.
+
+        With ``meta_info["extract_answers"]`` (validation's ``maj@n``) also the non-tensor column ``answer`` (B,):
+        each response's final answer per :func:`hybridflow.rewards.extract_answer`, None where there is none."""
+        texts = decode_responses(self.tokenizer, data)
+        scores, errors = score_batch(self.tokenizer, data, texts=texts, error_score=self.config.error_score,
                                      return_errors=True, compute_score=self.compute_score)
         mask = data.batch["response_mask"]
-        return DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
-                                            "reward_error": torch.tensor(errors, dtype=torch.bool)})
+        out = DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
+                                           "reward_error": torch.tensor(errors, dtype=torch.bool)})
+        if data.meta_info.get("extract_answers"):
+            sources = data.non_tensor_batch["data_source"]
+            out.non_tensor_batch["answer"] = np.array([extract_answer(src, text) for src, text in zip(sources, texts)],
+                                                      dtype=object)
+        return out
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, batch_keys=columns.RESPONSES)
     @report_time

@@ -89,6 +89,10 @@ def test_validation_with_odd_sets_and_n_samples(groups, tmp_path):
             metrics = validate(cfg, groups["actor"], build_reward(groups, cfg), val_data)
             assert 0.0 <= metrics["val/score"] <= 1.0, (size, n)
             assert 0.0 <= metrics[f"val/mean@{n}"] <= 1.0, (size, n)
+            if n >= 2:  # 0/1 rule scores: best@n is pass@n, and at least the mean
+                assert metrics[f"val/best@{n}"] == pytest.approx(metrics[f"val/pass@{n}"]), (size, n)
+                assert metrics[f"val/pass@{n}"] >= metrics[f"val/mean@{n}"] - 1e-9, (size, n)
+                assert 0.0 <= metrics.get(f"val/maj@{n}", 0.0) <= 1.0, (size, n)
 
 
 @pytest.mark.slow
