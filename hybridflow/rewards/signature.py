@@ -5,7 +5,7 @@ verl calls a custom reward function with keywords (``compute_score(data_source=.
 ground_truth=..., extra_info=...)``); hybridflow does the same for a function that takes those names, and calls
 positionally a function whose first four positional parameters carry other names (``fn(src, text, truth,
 info=None)``). A function that fits neither, or whose parameters would receive another argument's value by
-position (``fn(solution_str, ground_truth, extra_info, data_source=None)`` would get ``data_source`` in
+position (``fn(solution_str, ground_truth, extra_info, info=None)`` would get ``data_source`` in
 ``solution_str``), is refused when it is registered or loaded, in one line: a shifted call scores every sample 0
 without an error.
 """
