@@ -166,7 +166,8 @@ def _rollout_name(name: str) -> str:
 
 
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL_DIR", help="local Hugging Face model directory (or builtin:NAME)")
+    parser.add_argument("model", metavar="MODEL_DIR",
+                        help="local Hugging Face model directory, hub id (org/name) or builtin:NAME")
     parser.add_argument("data", metavar="DATA.parquet", nargs="+", help="prompts in verl's parquet schema")
     parser.add_argument("--n", type=int, default=1, help="responses per prompt; > 1 adds a sampled mean@n")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")

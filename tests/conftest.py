@@ -12,6 +12,8 @@ from hybridflow.distributed.launch import preload
 # model.dtype=auto stays fp32 in tests on every CPU (no bf16 probe; hybridflow.distributed.precision); set before
 # any Ray worker starts, so workers inherit it
 os.environ.setdefault("HYBRIDFLOW_AUTO_DTYPE_PROBE", "0")
+# nothing in the tests downloads: a Hugging Face hub id resolves from the local cache only (and a miss fails at once)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # what most multi-rank tests import: the fork server behind spawn_ranks imports it once per session, so a launch's
 # ranks start with it instead of importing it each (seconds per launch on 2 cores)

@@ -236,3 +236,36 @@ def test_a_user_driver_raising_on_the_driver_is_one_line_and_its_frames(tmp_path
         "error: driver 'failing_driver': KeyError: 'actor'",
         f"  {plugin}:19 in build", "    return cls(check(groups))",
         f"  {plugin}:6 in check", '    return groups["actor"]']
+
+
+def test_prompt_and_response_longer_than_the_models_positions_is_one_line_before_ray(tmp_path, capsys, monkeypatch):
+    """480 + 64 = 544 positions asked of the shipped tiny model, whose config.json allows 256."""
+    _no_ray(monkeypatch)
+    err = _one_error_line(capsys, "data.max_prompt_length=480", "data.max_response_length=64",
+                          f"trainer.default_local_dir={tmp_path / 'run'}")
+    for text in ("data.max_prompt_length", "data.max_response_length", "480 + 64 = 544",
+                 "max_position_embeddings=256", "actor_rollout_ref.model.path=builtin:tiny-arith"):
+        assert text in err, text
+    assert not (tmp_path / "run").exists()
+
+
+def test_check_positions_reads_each_models_limit_and_its_rope_factor(tmp_path):
+    from transformers import LlamaConfig
+
+    from hybridflow.config import load_config
+    from hybridflow.errors import UserError
+    from hybridflow.trainer.setup import check_positions
+
+    # a critic of its own with 128 positions: 64 + 96 = 160 fits the actor's 256 but not the critic's 128 ...
+    LlamaConfig(max_position_embeddings=128).save_pretrained(tmp_path / "critic")
+    lengths = ["data.max_prompt_length=64", "data.max_response_length=96"]
+    critic = ["critic.enable=true", f"critic.model.path={tmp_path / 'critic'}"]
+    with pytest.raises(UserError, match=r"64 \+ 96 = 160 exceeds the model's max_position_embeddings=128 "
+                                        rf"\(critic.model.path={tmp_path / 'critic'}"):
+        check_positions(load_config("quickstart", lengths + critic))
+    check_positions(load_config("quickstart", ["data.max_prompt_length=64", "data.max_response_length=64"] + critic))
+    # ... and 128 x a rope scaling factor of 2 = 256 positions fit 160
+    LlamaConfig(max_position_embeddings=128, rope_scaling={"rope_type": "linear", "factor": 2.0}).save_pretrained(
+        tmp_path / "critic")
+    check_positions(load_config("quickstart", lengths + critic))
+    check_positions(load_config("quickstart", ["data.max_prompt_length=200", "data.max_response_length=56"]))  # 256

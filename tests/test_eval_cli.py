@@ -40,7 +40,7 @@ PROMPTS = [  # (data source, question, ground truth is the reference greedy resp
 
 @pytest.fixture(scope="module", autouse=True)
 def exact_match_rewards():
-    register_reward(*SOURCES)(lambda response, truth, extra=None: float(response.strip() == truth))
+    register_reward(*SOURCES)(lambda source, response, truth, extra=None: float(response.strip() == truth))
     yield
     for source in SOURCES:
         REWARD_REGISTRY.pop(source)
@@ -243,7 +243,7 @@ PLUGIN = '''
 from hybridflow.rewards import register_reward
 
 @register_reward("test/plugin-source")
-def seven(solution_str, ground_truth, extra_info=None):
+def seven(data_source, solution_str, ground_truth, extra_info=None):
     return 7.0
 '''
 

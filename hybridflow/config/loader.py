@@ -40,6 +40,7 @@ from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
+from hybridflow.utils.provenance import RUN_INFO_KEY
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
@@ -324,7 +325,9 @@ def _read_recipe(path: Path) -> dict:
         raise ConfigError([f"recipe {path}: not valid YAML: {' '.join(str(exc).split())}"]) from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError([f"recipe {path}: the top level must be a mapping of config sections"])
-    return OmegaConf.to_container(loaded, resolve=False)
+    recipe = OmegaConf.to_container(loaded, resolve=False)
+    recipe.pop(RUN_INFO_KEY, None)  # a run's saved config.yaml: what produced that run, not config
+    return recipe
 
 
 def _parse_override(item: str) -> dict:

@@ -1,4 +1,5 @@
-"""Loading Hugging Face causal LMs, value models, score (reward/cost) models and tokenizers from local directories.
+"""Loading Hugging Face causal LMs, value models, score (reward/cost) models and tokenizers from local directories
+(a hub id resolves to its snapshot in the Hugging Face cache, :func:`hybridflow.models.builtin.resolve_model_path`).
 
 Pad-token rule (documented for users): when the tokenizer has no pad token, hybridflow uses its eos token as
 pad. This never breaks the ``response_mask``, because the rollout derives the mask from the step at which each
@@ -10,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import transformers
@@ -18,7 +19,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # the mode
 # that only tokenizes skips transformers' modeling imports (~1.5 s on a 2-core CPU)
 
 from hybridflow.errors import UserError
-from hybridflow.models.builtin import resolve_model_path
+from hybridflow.models.builtin import BUILTIN_MODELS, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,8 @@ def _quiet_transformers() -> None:
 def _check_dir(path: str) -> str:
     local = resolve_model_path(path)
     if not os.path.isdir(local):
-        raise FileNotFoundError(
-            f"model path {path!r} is not a local directory; hybridflow never downloads weights, "
-            "so pass a local Hugging Face model directory (or builtin:tiny-arith)"
-        )
+        raise FileNotFoundError(f"model path {path!r} is not a local directory: pass a local Hugging Face model "
+                                f"directory, a hub id (org/name) or builtin:NAME ({', '.join(BUILTIN_MODELS)})")
     return local
 
 
@@ -105,6 +104,24 @@ def get_eos_token_ids(path: str, tokenizer: Any) -> list[int]:
     return sorted(set(ids))
 
 
+def model_positions(path: str, trust_remote_code: bool = False) -> Optional[tuple[int, float]]:
+    """``(max_position_embeddings, rope factor)`` of the model at ``path`` (a local directory, hub id or
+    ``builtin:NAME``), read from its ``config.json`` (a multimodal config's text model); the factor is the rope
+    scaling's ``factor`` (1.0 without scaling), by which some configs (YaRN, dynamic NTK) extend the positions
+    beyond ``max_position_embeddings``. None when the config cannot be read or names no position limit."""
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or limit <= 0:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    return limit, float(factor) if isinstance(factor, (int, float)) and factor > 1 else 1.0
+
+
 def accepts_logits_to_keep(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward takes transformers' ``logits_to_keep`` (run the output head on the last
     positions, or on given positions, only)."""
@@ -152,8 +169,8 @@ def load_score_model(path: str, dtype: torch.dtype, trust_remote_code: bool = Fa
 
     local = resolve_model_path(path)
     if not os.path.isdir(local):
-        raise FileNotFoundError(f"score model path {path!r} is not a local directory; hybridflow never downloads "
-                                "weights, so pass a local Hugging Face model directory")
+        raise FileNotFoundError(f"score model path {path!r} is not a local directory: pass a local Hugging Face "
+                                "model directory or a hub id (org/name)")
     config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code)
     architectures = config.architectures or []
     if not any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):

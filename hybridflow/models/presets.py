@@ -45,20 +45,22 @@ def build_preset(name: str, out_dir: str, seed: int = 0) -> str:
 
 def resolve_benchmark_model(model: str, work_dir: str) -> str:
     """``model`` as a loadable path: a preset name is built under ``work_dir/<name>`` (once), anything else (a
-    local directory, ``builtin:NAME``) is returned unchanged.
+    local directory, ``builtin:NAME``, a Hugging Face hub id) is returned unchanged.
 
     Raises:
-        FileNotFoundError: ``model`` is no preset, no known ``builtin:NAME`` and no local directory with a
-            ``config.json`` (nothing is downloaded; the message names the presets).
+        FileNotFoundError: ``model`` is no preset, no known ``builtin:NAME``, no hub id that resolves
+            (:func:`~hybridflow.models.builtin.resolve_model_path`) and no local directory with a ``config.json``
+            (the message names the presets).
     """
     if model not in PRESETS:
-        known = f"a preset ({', '.join(sorted(PRESETS))}), builtin:NAME or a local Hugging Face model directory"
+        known = (f"a preset ({', '.join(sorted(PRESETS))}), builtin:NAME, a hub id or a local Hugging Face model "
+                 "directory")
         try:
             local = resolve_model_path(model)
         except ValueError as exc:
             raise FileNotFoundError(f"model {model!r}: {exc}") from None
         if not os.path.isfile(os.path.join(local, "config.json")):
-            raise FileNotFoundError(f"model {model!r} is not {known} (no config.json there; nothing is downloaded)")
+            raise FileNotFoundError(f"model {model!r} is not {known} (no config.json there)")
         return model
     out = os.path.join(work_dir, model)
     if not os.path.exists(os.path.join(out, "config.json")):

@@ -1,8 +1,9 @@
 """Rule rewards, looked up by a row's ``data_source``.
 
-``register_reward(*data_sources)`` registers a scorer ``fn(solution_str, ground_truth, extra_info)
--> float`` for one or more data sources; ``default_compute_score`` dispatches to it (verl's name and
-argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict;
+``register_reward(*data_sources)`` registers a scorer with verl's reward signature ``fn(data_source,
+solution_str, ground_truth, extra_info=None) -> float`` (:mod:`hybridflow.rewards.signature`; the same as a
+``reward_model.compute_score`` function) for one or more data sources; ``default_compute_score`` dispatches to it
+(verl's name and argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict;
 ``MATH_DATA_SOURCES`` -> the MATH reward (last ``\\boxed{}``, equivalence through ``math-verify``).
 """
 
@@ -17,19 +18,28 @@ from typing import Any, Callable, Optional
 from hybridflow.errors import DataError
 from hybridflow.registry import Registry
 from hybridflow.rewards import gsm8k, math, tool_arith
+from hybridflow.rewards.signature import SIGNATURE, RewardSignatureError, as_score_fn
 
-RewardFn = Callable[[str, str, Any], float]
+# verl's reward function, registered or configured: fn(data_source, solution_str, ground_truth, extra_info=None)
+RewardFn = Callable[[str, str, Any, Any], float]
+ComputeScoreFn = RewardFn
 AnswerFn = Callable[[str], Optional[str]]  # a response's final answer, canonical, or None
-# verl's custom reward function: fn(data_source, solution_str, ground_truth, extra_info=None) -> float
-ComputeScoreFn = Callable[[str, str, str, Any], float]
 MATH_DATA_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "lighteval/MATH", "HuggingFaceH4/MATH-500")
-REWARDS: Registry = Registry("reward", missing="no reward registered for data_source {name!r}")
+
+
+def _check_reward(source: str, fn: RewardFn) -> None:
+    as_score_fn(fn, f"reward for data_source {source!r}")
+
+
+REWARDS: Registry = Registry("reward", missing="no reward registered for data_source {name!r}", check=_check_reward,
+                             adapter=lambda source, fn: as_score_fn(fn, f"reward for data_source {source!r}"))
 REWARD_REGISTRY = REWARDS  # the former name (it was a dict; the Registry keeps ``pop`` and ``in``)
 
 
 def register_reward(*data_sources: str,
                     extract_answer: Optional[AnswerFn] = None) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` for data sources.
+    """Decorator: register ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float`` (verl's
+    signature, as ``reward_model.compute_score``) for data sources; returns ``fn`` unchanged.
 
     A data source has one scorer: registering one that is taken raises, even with the same function (two modules
     claiming one data source is a mistake worth a clear error). ``extract_answer(solution_str) -> str | None``, when
@@ -38,11 +48,15 @@ def register_reward(*data_sources: str,
 
     Raises:
         ValueError: no data source given, or one is already registered.
+        RewardSignatureError: (a ``TypeError``, ``ValueError`` and ``UserError``) ``fn`` does not take verl's four
+            arguments (:func:`hybridflow.rewards.signature.as_score_fn`); one line naming it and the expected
+            signature, before anything is registered.
     """
     if not data_sources:
         raise ValueError("register_reward needs at least one data_source")
 
     def decorator(fn: RewardFn) -> RewardFn:
+        as_score_fn(fn, f"register_reward({', '.join(map(repr, data_sources))})")
         for source in data_sources:
             if source in REWARDS:
                 raise ValueError(f"reward for data_source {source!r} is already registered")
@@ -72,11 +86,12 @@ def default_compute_score(
         UnknownNameError: (a ``ValueError``) no reward is registered for ``data_source`` (the message lists the
             known ones).
     """
-    return float(get_reward_fn(data_source)(solution_str, ground_truth, extra_info))
+    return float(get_reward_fn(data_source)(data_source, solution_str, ground_truth, extra_info))
 
 
 def get_reward_fn(data_source: str) -> RewardFn:
-    """The scorer registered for ``data_source``.
+    """The scorer registered for ``data_source``, called as ``fn(data_source, solution_str, ground_truth,
+    extra_info)`` by position (a function that takes verl's arguments by keyword only comes wrapped).
 
     Raises:
         UnknownNameError: (a ``ValueError`` and ``KeyError``) none is registered (the message lists the known data
@@ -101,6 +116,8 @@ def check_data_sources(rows: Sequence[Mapping[str, Any]]) -> None:
             except ValueError as exc:
                 raise DataError(str(exc), row=i) from None
             checked.add(source)
+
+
 def split_compute_score(spec: str) -> tuple[str, str, bool]:
     """``"target:name"`` -> ``(target, name, target is a file path)``; ``name`` defaults to ``compute_score``."""
     target, colon, name = spec.rpartition(":")
@@ -118,8 +135,11 @@ def load_compute_score(spec: str) -> ComputeScoreFn:
     ``custom_reward_function.path`` / ``.name``) or ``package.module:name`` (importable on every node); without
     ``:name`` the function is ``compute_score``.
 
+    The function is returned as :func:`hybridflow.rewards.signature.as_score_fn` gives it (called by position).
+
     Raises:
         ValueError: the file or module cannot be imported, or it has no callable of that name.
+        RewardSignatureError: (a ``ValueError``) the function does not take verl's four arguments (one line).
     """
     if spec == "default":
         return default_compute_score
@@ -143,7 +163,7 @@ def load_compute_score(spec: str) -> ComputeScoreFn:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where}: {target} has no function {name!r}")
-    return fn
+    return as_score_fn(fn, where)
 
 
 def _number_answer(solution_str: str) -> Optional[str]:
@@ -163,21 +183,20 @@ def _boxed_answer(solution_str: str) -> Optional[str]:
 
 
 @register_reward("openai/gsm8k", "hybridflow/arith", extract_answer=_number_answer)
-def _gsm8k_strict(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+def _gsm8k_strict(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
 
 
 @register_reward("hybridflow/tool_arith", extract_answer=_number_answer)
-def _tool_arith(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+def _tool_arith(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return tool_arith.compute_score(solution_str, ground_truth, extra_info)
 
 
 @register_reward(*MATH_DATA_SOURCES, extract_answer=_boxed_answer)
-def _math_equiv(solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+def _math_equiv(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return math.compute_score(solution_str, ground_truth)
 
 
-__all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "check_data_sources", "default_compute_score",
-           "extract_answer", "get_reward_fn",
-           "load_compute_score", "register_reward",
+__all__ = ["REWARDS", "REWARD_REGISTRY", "MATH_DATA_SOURCES", "SIGNATURE", "RewardSignatureError", "check_data_sources",
+           "default_compute_score", "extract_answer", "get_reward_fn", "load_compute_score", "register_reward",
            "gsm8k", "math", "tool_arith"]

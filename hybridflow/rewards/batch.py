@@ -44,8 +44,9 @@ def multi_turn_info(tokenizer: Any, data: DataProto, row: int, extra_info: Any) 
 def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] = None,
                 error_score: Optional[float] = None, return_errors: bool = False,
                 compute_score: Optional[ComputeScoreFn] = None):
-    """Per-row scores of a rollout batch by the reward registered for each row's ``data_source``, or by a user
-    ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (``reward_model.compute_score``).
+    """Per-row scores of a rollout batch by the reward registered for each row's ``data_source`` or by a user
+    ``compute_score`` (``reward_model.compute_score``), both called as ``fn(data_source, solution_str,
+    ground_truth, extra_info)``.
     ``solution_str`` is the text of the model's tokens (``response_mask`` 1); for a multi-turn row ``extra_info``
     also holds the model turns and the tool calls with their results, apart (:func:`multi_turn_info`).
 
@@ -57,8 +58,9 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
         texts: the already decoded responses (from :func:`decode_responses`), to avoid decoding twice.
         error_score: the score of a row whose scoring function raises; None (default) re-raises instead.
         return_errors: also return N bools marking the rows that got ``error_score``.
-        compute_score: a user scoring function (see :func:`hybridflow.rewards.load_compute_score`) that replaces
-            the registry lookup for every row; None (default) uses the registry.
+        compute_score: a user scoring function as :func:`hybridflow.rewards.load_compute_score` returns it (taking
+            the four arguments by position) that replaces the registry lookup for every row; None (default) uses
+            the registry.
 
     Returns:
         N floats in row order (and the N error flags with ``return_errors``).
@@ -89,7 +91,7 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
             reward = get_reward_fn(source)  # an unknown data_source is a data error, never scored
         try:
             if compute_score is None:
-                scores.append(float(reward(text, truth, info)))
+                scores.append(float(reward(source, text, truth, info)))
             else:
                 scores.append(float(compute_score(source, text, truth, info)))
             errors.append(False)

@@ -1,8 +1,9 @@
 """Rule costs for constrained RL (Safe-RLHF): a cost per response, looked up by name.
 
-A cost function has the signature of a rule reward, ``fn(solution_str, ground_truth, extra_info) -> float``
-(units: cost per response; higher is worse), and is registered with ``@register_cost("name")``. The config
-key ``cost_model.rule`` selects one for every row (costs do not depend on ``data_source``).
+A cost function has the signature of a rule reward (verl's), ``fn(data_source, solution_str, ground_truth,
+extra_info=None) -> float`` (units: cost per response; higher is worse; :mod:`hybridflow.rewards.signature`), and
+is registered with ``@register_cost("name")``. The config key ``cost_model.rule`` selects one for every row (it
+is not looked up by ``data_source``; the function still receives it).
 
 Built in:
 
@@ -22,24 +23,35 @@ import re
 from typing import Any, Callable
 
 from hybridflow.registry import Registry
+from hybridflow.rewards.signature import as_score_fn
 
-CostFn = Callable[[str, str, Any], float]
-COSTS: Registry = Registry("rule cost")
+CostFn = Callable[[str, str, Any, Any], float]
+
+
+def _check_cost(name: str, fn: CostFn) -> None:
+    as_score_fn(fn, f"register_cost({name!r})")
+
+
+COSTS: Registry = Registry("rule cost", check=_check_cost,
+                           adapter=lambda name, fn: as_score_fn(fn, f"register_cost({name!r})"))
 
 _SUBTRACTION = re.compile(r"\d\s*-\s*\d")
 
 
 def register_cost(name: str) -> Callable[[CostFn], CostFn]:
-    """Decorator: register ``fn(solution_str, ground_truth, extra_info) -> float`` as the rule cost ``name``.
+    """Decorator: register ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float`` as the rule
+    cost ``name``.
 
     Raises:
         ValueError: ``name`` is already registered.
+        RewardSignatureError: (a ``TypeError`` and ``ValueError``) ``fn`` does not take those four arguments (one
+            line naming it and the expected signature).
     """
     return COSTS.register(name)
 
 
 def get_cost_fn(name: str) -> CostFn:
-    """The rule cost registered as ``name``.
+    """The rule cost registered as ``name``, called as ``fn(data_source, solution_str, ground_truth, extra_info)``.
 
     Raises:
         UnknownNameError: (a ``KeyError`` and ``ValueError``) listing the registered names.
@@ -48,7 +60,8 @@ def get_cost_fn(name: str) -> CostFn:
 
 
 @register_cost("subtraction_before_last_step")
-def subtraction_before_last_step(solution_str: str, ground_truth: str = "", extra_info: Any = None) -> float:
+def subtraction_before_last_step(data_source: str, solution_str: str, ground_truth: str = "",
+                                 extra_info: Any = None) -> float:
     """1.0 if an equation line (a line with ``=``) that contains a subtraction ``a - b`` is not the last one."""
     equations = [line for line in solution_str.splitlines() if "=" in line]
     return float(any(_SUBTRACTION.search(line) for line in equations[:-1]))

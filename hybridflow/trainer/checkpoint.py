@@ -167,11 +167,15 @@ RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "
 RESUME_DEFAULTS = {key: 1 for key in RESUME_KEYS if ".megatron." in key}
 
 
-def save_config(config: DictConfig, path: str) -> None:
-    """Write the resolved ``config`` to ``path`` (YAML): a checkpoint part (``<ckpt>/config.yaml``)."""
+def save_config(config: DictConfig, path: str, run_info: Optional[dict[str, Any]] = None) -> None:
+    """Write the resolved ``config`` to ``path`` (YAML): a checkpoint part (``<ckpt>/config.yaml``), with the run's
+    ``run_info`` section (:func:`~hybridflow.utils.provenance.make_run_info`; none when None), which the resume
+    check does not compare."""
     from omegaconf import OmegaConf
 
-    OmegaConf.save(config, path, resolve=True)
+    from hybridflow.utils.provenance import config_with_run_info
+
+    OmegaConf.save(config_with_run_info(config, run_info), path, resolve=True)
 
 
 def resume_signature(config: DictConfig) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
 from hybridflow.trainer.driver import Driver
+from hybridflow.utils.provenance import make_run_info
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,14 @@ class TrainLoop:
         config: the validated run config (reads ``trainer.*`` and ``algorithm.driver`` for messages).
         driver: the :class:`~hybridflow.trainer.driver.Driver` to run.
         tracker: ``log(metrics, step)`` sink (a :class:`~hybridflow.utils.tracking.Tracking`), or None.
+        run_info: the ``run_info`` section each checkpoint's ``config.yaml`` carries
+            (:func:`~hybridflow.utils.provenance.make_run_info`; default: made now).
     """
 
-    def __init__(self, config: Any, driver: Driver, tracker: Any = None) -> None:
+    def __init__(self, config: Any, driver: Driver, tracker: Any = None,
+                 run_info: Optional[dict[str, Any]] = None) -> None:
         self.config, self.driver, self.tracker = config, driver, tracker
+        self.run_info = make_run_info() if run_info is None else run_info
         self.global_step = 0
         self.data_position = 0  # batches consumed before this run's cursor started (set by resume)
         self.data: Optional[DataCursor] = None
@@ -83,7 +88,7 @@ class TrainLoop:
         """Checkpoint the driver's groups (sharded, per rank), the resolved config and the loop and driver state,
         atomically; returns the checkpoint directory."""
         writers = {name: group.save_checkpoint for name, group in self.driver.checkpointed_groups().items()}
-        writers[CONFIG_FILE] = functools.partial(save_config, self.config)
+        writers[CONFIG_FILE] = functools.partial(save_config, self.config, run_info=self.run_info)
         state = {"global_step": self.global_step, "data_position": self.consumed(),
                  **{name: obj.state_dict() for name, obj in self.driver.checkpointed_state().items()}}
         start = time.perf_counter()

@@ -18,6 +18,7 @@ from hybridflow.trainer.run_lock import run_dir_lock
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils import startup
 from hybridflow.utils.progress import RunProgress
+from hybridflow.utils.provenance import make_run_info
 from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
 
 logger = logging.getLogger(__name__)
@@ -143,18 +144,20 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
             the workers' (``WorkerError``) are raised as they are.
     """
     _tidy_metrics(config.trainer.default_local_dir, start)  # the workers are up: the run starts now
+    info = make_run_info()  # version, commit, start: in config.yaml and every checkpoint's
     tracker = RunProgress(Tracking(
         project_name=config.trainer.project_name,
         experiment_name=config.trainer.experiment_name,
         default_local_dir=config.trainer.default_local_dir,
         backends=list(config.trainer.logger),
         config=config,
+        run_info=info,
     ), total, start)
     try:
         driver = get_driver(config.algorithm.driver).build(config, groups)
         startup.mark("driver")
         logger.info("%s", startup.summary())
-        result = TrainLoop(config, driver, tracker).fit(train_batches, val_data, total)
+        result = TrainLoop(config, driver, tracker, run_info=info).fit(train_batches, val_data, total)
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
         raise TrainingInterrupted(tracker.last_step, total, latest) from None

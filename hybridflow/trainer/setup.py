@@ -20,7 +20,7 @@ from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.errors import DataError, UserError
-from hybridflow.models.hf import MissingTokenizerError, load_tokenizer
+from hybridflow.models.hf import MissingTokenizerError, load_tokenizer, model_positions
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
 from hybridflow.utils import startup
@@ -166,6 +166,44 @@ def _tokenizer(path: str, trust_remote_code: bool):
         raise UserError(f"{key} {path!r}: no loadable tokenizer there ({type(exc).__name__}: {reason})") from None
 
 
+def _sequence_models(config: DictConfig) -> list[tuple[str, Any]]:
+    """(config key, model section) of every model that reads a whole prompt + response: the actor, the critic when
+    trained from its own checkpoint, the reward and cost models when enabled."""
+    from hybridflow.config import need_critic
+
+    models = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model)]
+    if need_critic(config) and config.critic.model.path:
+        models.append(("critic.model.path", config.critic.model))
+    for role in ("reward_model", "cost_model"):
+        section = config.get(role)
+        if section is not None and section.enable and section.model.path:
+            models.append((f"{role}.model.path", section.model))
+    return models
+
+
+def check_positions(config: DictConfig) -> None:
+    """``data.max_prompt_length + data.max_response_length`` fits each model's positions
+    (:func:`~hybridflow.models.hf.model_positions`: ``max_position_embeddings``, times the rope scaling factor
+    when the config has one); a model whose config cannot be read is left to its loader.
+
+    Raises:
+        UserError: the sum exceeds a model's positions (one line: both lengths, the keys, the model's limit).
+    """
+    data = config.data
+    need = int(data.max_prompt_length) + int(data.max_response_length)
+    for key, model in _sequence_models(config):
+        positions = model_positions(model.path, model.trust_remote_code)
+        if positions is None:
+            continue
+        limit, factor = positions
+        if need > limit * factor:
+            scaled = f" x rope scaling factor {factor:g}" if factor > 1 else ""
+            raise UserError(f"data.max_prompt_length + data.max_response_length = {data.max_prompt_length} + "
+                            f"{data.max_response_length} = {need} exceeds the model's max_position_embeddings="
+                            f"{limit}{scaled} ({key}={model.path}, its config.json): lower data.max_prompt_length "
+                            "or data.max_response_length, or use a model with more positions")
+
+
 def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]], DataProto, int]:
     """``batches(start_step)``: the train batches from batch position ``start_step`` on (an endless iterator over
     epochs, each a permutation seeded by ``data.seed + epoch``, so the batches are a pure function of the
@@ -175,11 +213,13 @@ def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]]
 
     Raises:
         DataError: see :func:`load_split`; also a ``data.train_batch_size`` above the number of train prompts.
-        UserError: the model (or tokenizer) directory holds no loadable tokenizer.
+        UserError: the model (or tokenizer) directory holds no loadable tokenizer; prompt + response longer than
+            a model's positions (:func:`check_positions`).
     """
     data = config.data
     model = config.actor_rollout_ref.model
     tokenizer = _tokenizer(model.tokenizer_path or model.path, model.trust_remote_code)
+    check_positions(config)
 
     train = load_split(config, tokenizer, "train")
     val = load_split(config, tokenizer, "val")

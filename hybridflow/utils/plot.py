@@ -1,7 +1,7 @@
 """Training curves as a picture: ``hybridflow plot RUN_DIR [RUN_DIR ...]`` and the ``curves.png`` a run leaves.
 
 Reads each run's ``metrics.jsonl`` (one JSON object per :meth:`~hybridflow.utils.tracking.Tracking.log` call:
-``{"step": N, "<metric>": float, ...}``) and draws one panel per entry of ``PANELS`` whose metrics any run has
+``{"step": N, "timestamp": seconds, "<metric>": float, ...}``; the timestamp is not drawn) and draws one panel per entry of ``PANELS`` whose metrics any run has
 (score/reward with the validation points, KL, entropy, response length, step time, throughput, Safe-RLHF cost
 and lambda, async staleness), or one panel per metric named with ``metrics``. Several runs go into the same
 panels, one colour per run (line style per metric), with a legend naming them; one run gets a colour per metric.
@@ -87,6 +87,7 @@ def _read_rows(path: Path) -> dict[str, dict[int, float]] | None:
             try:
                 row = json.loads(line)
                 step = int(row.pop("step"))
+                row.pop("timestamp", None)  # the row's wall-clock time, not a metric
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(f"{path}:{number}: not a metrics line with a step ({exc})") from exc
             by_metric = {} if by_metric is None else by_metric

@@ -5,9 +5,11 @@ Backends (``trainer.logger``):
 - ``console``: one compact line per ``log`` call on stdout, built from the well-known metric names below, e.g.
   ``step 12 | reward 0.41 | kl 0.003 | entropy 0.85 | resp_len 14.2 | val/score 0.62 | 3.1s | 812 tok/s``.
   Fields whose metric is absent are left out.
-- ``jsonl``: appends one JSON object per ``log`` call (``{"step": 12, "<metric>": <float>, ...}``) to
+- ``jsonl``: appends one JSON object per ``log`` call (``{"step": 12, "timestamp": <seconds since the epoch>,
+  "<metric>": <float>, ...}``; ``timestamp`` is the wall-clock time of the call) to
   ``<default_local_dir>/metrics.jsonl``, flushed on every call, and saves the run's config once to
-  ``<default_local_dir>/config.yaml``. Non-finite values are written as ``NaN`` / ``Infinity`` (which Python's
+  ``<default_local_dir>/config.yaml`` with a ``run_info`` section (hybridflow version, git commit of a checkout,
+  start time: :mod:`hybridflow.utils.provenance`). Non-finite values are written as ``NaN`` / ``Infinity`` (which Python's
   ``json`` reads back). Before a run starts, :func:`trim_metrics` (resume) or :func:`set_metrics_aside` (fresh
   run) leaves the file with one row per step.
 - ``tensorboard``: scalars under ``<default_local_dir>/tensorboard`` (needs the ``tensorboard`` package), and the
@@ -53,6 +55,7 @@ BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab")
 # backend -> the module it imports (the loader checks it is installed before Ray starts); its extra has its name
 BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 METRICS_FILE = "metrics.jsonl"
+ROW_KEYS = ("step", "timestamp")  # the fields of a metrics.jsonl row that are no metric
 
 METRIC_REWARD = "critic/rewards/mean"  # mean sequence reward after the KL penalty (when use_kl_in_reward)
 METRIC_SCORE = "critic/score/mean"  # mean reward-function score; shown as reward when METRIC_REWARD is absent
@@ -74,6 +77,8 @@ class Tracking:
         default_local_dir: run directory for the file backends (created when needed).
         backends: names out of ``BACKENDS``.
         config: the run's config (``DictConfig``, dict or dataclass), saved to ``config.yaml`` by ``jsonl``.
+        run_info: the ``run_info`` section saved with it (:func:`~hybridflow.utils.provenance.make_run_info`; default:
+            made now).
 
     Raises:
         ValueError: an unknown backend name (the message lists the known ones).
@@ -82,7 +87,8 @@ class Tracking:
     """
 
     def __init__(self, project_name: str, experiment_name: str, default_local_dir: str | Path,
-                 backends: Sequence[str] = ("console", "jsonl"), config: Any = None):
+                 backends: Sequence[str] = ("console", "jsonl"), config: Any = None,
+                 run_info: dict[str, Any] | None = None):
         unknown = [b for b in backends if b not in BACKENDS]
         if unknown:
             raise ValueError(f"unknown tracking backend(s) {unknown}; known: {', '.join(BACKENDS)}")
@@ -95,7 +101,10 @@ class Tracking:
             if config is not None:
                 from omegaconf import OmegaConf
 
-                OmegaConf.save(config, self.local_dir / "config.yaml", resolve=True)
+                from hybridflow.utils.provenance import config_with_run_info, make_run_info
+
+                info = make_run_info() if run_info is None else run_info
+                OmegaConf.save(config_with_run_info(config, info), self.local_dir / "config.yaml", resolve=True)
             self._jsonl = open(self.local_dir / METRICS_FILE, "a", encoding="utf-8")
         if "tensorboard" in self.backends:
             try:
@@ -124,15 +133,17 @@ class Tracking:
 
         Raises:
             TypeError: a value that is not a scalar number; the message names the metric.
-            ValueError: a metric named ``step`` (the name is reserved for the step).
+            ValueError: a metric named ``step`` or ``timestamp`` (names ``metrics.jsonl`` gives every row).
         """
-        if "step" in data:
-            raise ValueError("'step' is reserved for the step argument; rename that metric")
+        for reserved in ROW_KEYS:
+            if reserved in data:
+                raise ValueError(f"{reserved!r} is reserved for the metrics.jsonl row's own field; rename that "
+                                 "metric")
         metrics = {name: _to_float(name, value) for name, value in data.items()}
         if "console" in self.backends:
             write_line(format_console_line(metrics, step))  # above the progress bars, if any
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._jsonl.write(json.dumps({"step": step, "timestamp": round(time.time(), 3), **metrics}) + "\n")
             self._jsonl.flush()
         if self._tensorboard is not None:
             for name, value in metrics.items():

@@ -96,12 +96,13 @@ class RuleRewardWorker(Worker):
     @report_time
     def compute_rule_cost(self, data: DataProto) -> DataProto:
         """``token_level_cost_scores`` (B, R) fp32: the rule cost ``cost_model.rule`` of each decoded response
-        (``responses``/``response_mask``; ``ground_truth`` and ``extra_info`` columns when present) on its last
-        valid token."""
+        (``responses``/``response_mask``; ``data_source``, ``ground_truth`` and ``extra_info`` columns when
+        present) on its last valid token."""
         fn = get_cost_fn(self.inputs.cost_rule)
         nt = data.non_tensor_batch
-        truths, extra = nt.get("ground_truth"), nt.get("extra_info")
-        costs = [float(fn(text, "" if truths is None else truths[i], None if extra is None else extra[i]))
+        sources, truths, extra = nt.get("data_source"), nt.get("ground_truth"), nt.get("extra_info")
+        costs = [float(fn("" if sources is None else sources[i], text, "" if truths is None else truths[i],
+                          None if extra is None else extra[i]))
                  for i, text in enumerate(decode_responses(self.tokenizer, data))]
         mask = data.batch["response_mask"]
         return DataProto.from_dict(tensors={"token_level_cost_scores": place_scores(torch.tensor(costs), mask)})

@@ -19,7 +19,7 @@ COST = get_cost_fn("subtraction_before_last_step")
     ("#### -3", 0.0),                            # a negative answer is not a subtraction step
 ])
 def test_subtraction_before_last_step(answer, cost):
-    assert COST(answer, "", None) == cost
+    assert COST("hybridflow/arith", answer, "", None) == cost
 
 
 def test_unknown_cost_lists_the_known_ones():
@@ -29,4 +29,4 @@ def test_unknown_cost_lists_the_known_ones():
 
 def test_a_name_cannot_be_taken_twice():
     with pytest.raises(ValueError, match="already registered"):
-        register_cost("subtraction_before_last_step")(lambda s, g, e: 0.0)
+        register_cost("subtraction_before_last_step")(lambda d, s, g, e: 0.0)

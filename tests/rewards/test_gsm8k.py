@@ -86,7 +86,7 @@ def test_default_compute_score_unknown_source_lists_known():
 
 def test_register_reward_adds_and_rejects_duplicates():
     @register_reward("test/always-half")
-    def half(solution_str, ground_truth, extra_info=None):
+    def half(data_source, solution_str, ground_truth, extra_info=None):
         return 0.5
 
     try:

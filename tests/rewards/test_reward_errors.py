@@ -12,7 +12,7 @@ from hybridflow.rewards.batch import score_batch
 @pytest.fixture(scope="module", autouse=True)
 def flaky_reward():
     @register_reward("test/flaky")
-    def flaky(solution_str, ground_truth, extra_info=None):
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
         if "boom" in solution_str:
             raise ZeroDivisionError("scorer bug")
         return 1.0

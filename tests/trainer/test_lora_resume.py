@@ -20,7 +20,7 @@ SMALL = [  # lora_quickstart, scaled down: 8 prompts x 2 samples per step, one e
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.test_freq=-1", "trainer.save_freq=2",
     "trainer.logger=[jsonl]", "trainer.plot_curves=false",
 ]
-VOLATILE = ("timing", "perf/throughput", "sync/weight_transfer_s")
+VOLATILE = ("timing", "perf/throughput", "sync/weight_transfer_s", "timestamp")
 
 
 def _train(out, steps: int) -> None:

@@ -22,7 +22,7 @@ COMMON = [
     "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.shuffle=true",
     "trainer.test_freq=2", "trainer.save_freq=1", "trainer.logger=[jsonl]", "algorithm.kl_ctrl.type=adaptive",
 ]
-VOLATILE = ("timing", "perf/throughput")
+VOLATILE = ("timing", "perf/throughput", "timestamp")
 
 
 def _run(out, steps):

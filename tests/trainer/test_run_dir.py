@@ -63,6 +63,28 @@ def test_incompatible_resume_names_the_differing_keys(tmp_path, recipe, override
     assert "trainer.default_local_dir" in message and "trainer.resume_mode=disable" in message
 
 
+def test_resume_ignores_what_produced_the_checkpoint(tmp_path):
+    """A checkpoint written by another hybridflow version or commit, at another time, resumes: its config.yaml's
+    run_info section is not config. A saved config.yaml also loads as a recipe."""
+    from omegaconf import OmegaConf
+
+    cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"])
+    old = {"hybridflow_version": "0.0.1", "git_commit": "0" * 40, "started_at": "2020-01-01T00:00:00Z"}
+
+    def shard(path):
+        os.makedirs(path, exist_ok=True)
+
+    CheckpointManager(str(tmp_path)).save(
+        2, {"actor": shard, CONFIG_FILE: functools.partial(save_config, cfg, run_info=old)}, {"global_step": 2})
+    ckpt = os.path.join(tmp_path, "global_step_2")
+    assert OmegaConf.load(os.path.join(ckpt, CONFIG_FILE)).run_info == old
+    check_resume_config(cfg, ckpt)  # this process's version and commit differ from the saved ones: no refusal
+    with pytest.raises(IncompatibleCheckpointError, match="algorithm.driver"):  # the check still works
+        check_resume_config(load_config("remax_quickstart", [f"trainer.default_local_dir={tmp_path}"]), ckpt)
+    again = load_config(os.path.join(ckpt, CONFIG_FILE))  # the run's config.yaml as a recipe: run_info dropped
+    assert "run_info" not in again and again.actor_rollout_ref.model.path == "builtin:tiny-arith"
+
+
 def test_compatible_changes_resume(tmp_path):
     # learning rate, batch sizes, total steps, KL, logging and the like may change on resume
     ckpt = _fake_checkpoint(tmp_path, "quickstart")

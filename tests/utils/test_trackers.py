@@ -58,6 +58,7 @@ def _jsonl_scalars(run_dir):
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         step = row.pop("step")
+        row.pop("timestamp")  # the row's wall-clock time: metrics.jsonl's own field, no tracker scalar
         scalars.update({(step, name): value for name, value in row.items()})
     return scalars
 
@@ -223,6 +224,7 @@ def test_train_two_steps_every_tracker_reads_back_metrics_jsonl(quickstart_run, 
     expected = _jsonl_scalars(run_dir)
     assert {step for step, _ in expected} == {0, 1, 2} and len(expected) > 60  # val at 0 and 2, two train steps
     resolved = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+    assert resolved.pop("run_info")["hybridflow_version"]  # provenance: config.yaml's own section, not config
 
     scalars, config = _wandb_scalars_and_config(run_dir)
     _assert_same(scalars, expected)

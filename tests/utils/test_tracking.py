@@ -13,7 +13,11 @@ from hybridflow.utils.tracking import Tracking, format_console_line, set_metrics
 
 
 def _read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The rows without a wall-clock ``timestamp`` (checked in test_rows_and_config_record_when_and_what_ran)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows:
+        row.pop("timestamp", None)
+    return rows
 
 
 def test_jsonl_lines_have_step_and_float_metrics(tmp_path):
@@ -146,3 +150,51 @@ def test_set_metrics_aside_moves_a_previous_runs_file(tmp_path):
     _write_rows(path, [1])
     os.utime(path, (0, 86400 + 3661))
     assert set_metrics_aside(tmp_path) == tmp_path / "metrics.19700102-010101-1.jsonl"  # never overwrites
+
+
+def test_rows_and_config_record_when_and_what_ran(tmp_path):
+    """Each metrics.jsonl row has the wall-clock time it was logged at; config.yaml has a run_info section (the
+    package's version, the checkout's commit from git itself, the start) after the config's own sections."""
+    import subprocess
+    import time
+
+    import hybridflow
+    from hybridflow.utils.plot import read_metrics
+
+    before = time.time()
+    tracker = Tracking("p", "e", tmp_path, backends=("jsonl",), config={"trainer": {"seed": 1}})
+    tracker.log({"x": 1.0}, step=1)
+    tracker.log({"x": 2.0}, step=2)
+    tracker.finish()
+    after = time.time()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stamps = [row["timestamp"] for row in rows]
+    assert before - 0.001 <= stamps[0] <= stamps[1] <= after + 0.001
+    assert read_metrics(tmp_path) == {"x": [(1, 1.0), (2, 2.0)]}  # hybridflow plot: the timestamp is no curve
+    with pytest.raises(ValueError, match="'timestamp' is reserved"):
+        Tracking("p", "e", tmp_path / "other", backends=("jsonl",)).log({"timestamp": 1.0}, step=1)
+
+    saved = OmegaConf.to_container(OmegaConf.load(tmp_path / "config.yaml"))
+    assert list(saved) == ["trainer", "run_info"] and saved["trainer"] == {"seed": 1}
+    info = saved["run_info"]
+    assert info["hybridflow_version"] == hybridflow.__version__
+    repo = os.path.dirname(os.path.dirname(hybridflow.__file__))
+    if os.path.exists(os.path.join(repo, ".git")):  # a checkout: the commit git reports there
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert info["git_commit"] == head.strip() and len(head.strip()) == 40
+    else:
+        assert "git_commit" not in info
+    started = time.mktime(time.strptime(info["started_at"], "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    assert int(before) - 1 <= started <= after + 1
+
+
+def test_git_commit_is_omitted_outside_a_checkout(tmp_path, monkeypatch):
+    from hybridflow.utils import provenance
+
+    monkeypatch.setattr(provenance, "_PACKAGE_PARENT", str(tmp_path))  # as an installed package: no .git there
+    provenance.git_commit.cache_clear()
+    try:
+        assert set(provenance.make_run_info(0.0)) == {"hybridflow_version", "started_at"}
+        assert provenance.make_run_info(0.0)["started_at"] == "1970-01-01T00:00:00Z"
+    finally:
+        provenance.git_commit.cache_clear()
