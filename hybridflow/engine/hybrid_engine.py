@@ -216,7 +216,8 @@ class HybridEngine:
         pipeline stage must be absent).
 
         Raises:
-            RuntimeError: a missing, unexpected or misshapen shard.
+            RuntimeError: a missing, unexpected or misshapen shard, or one in another dtype than the generation
+                model's (a receiver allocates what it does not hold in that dtype: the messages would not match).
         """
         local = dict(self.train_engine.iter_shards())
         for p in self.plan.params:
@@ -227,6 +228,9 @@ class HybridEngine:
                 raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r}: the engine yields {_say(got)}, "
                                    f"the reshard plan expects {_say(expected)} (layout {self.plan.train}, "
                                    f"tp_dim={p.train_dim}, dp_dim={p.dp_dim}, pp_stage={p.pp_stage})")
+            if tensor is not None and tensor.dtype != self.dtype:
+                raise RuntimeError(f"rank {self.rank}: training shard of {p.name!r} is {tensor.dtype}, the generation "
+                                   f"model is {self.dtype}; the engine must hold every weight in one dtype")
         unknown = sorted(set(local) - {p.name for p in self.plan.params})
         if unknown:
             raise RuntimeError(f"rank {self.rank}: iter_shards yields weights weight_specs does not list: "

@@ -67,7 +67,8 @@ class ValueHead(torch.nn.Linear):
 
 def build_gpt_model(cfg: Any, kind: str, *, tp: int, pp: int, pp_rank: int, dtype: torch.dtype,
                     device: str) -> torch.nn.Module:
-    """``GPTModel`` for stage ``pp_rank`` (pre_process on the first stage, post_process on the last) on ``device``.
+    """``GPTModel`` for stage ``pp_rank`` (pre_process on the first stage, post_process on the last) on ``device``,
+    every parameter in ``dtype`` (the distributed optimizer keeps fp32 main copies of bf16/fp16 ones).
 
     ``kind="value"`` replaces the output layer with a :class:`ValueHead`; its forward then returns (B, S, 1).
 
@@ -87,6 +88,13 @@ def build_gpt_model(cfg: Any, kind: str, *, tp: int, pp: int, pp_rank: int, dtyp
                      share_embeddings_and_output_weights=kind == "policy" and bool(cfg.tie_word_embeddings))
     if kind == "value" and last:
         model.output_layer = ValueHead(cfg.hidden_size, 1, bias=True, dtype=dtype)
+    # the local spec's RMSNorm weights are made in fp32 whatever params_dtype says; Megatron's training loop
+    # casts the whole model (Float16Module), so every parameter is in ``dtype`` here too, as in the HF model:
+    # one dtype per rank for the pipeline, the iterators and the resharder (buffers such as rotary tables stay)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
     return model.to(device)
 
 

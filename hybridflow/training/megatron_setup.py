@@ -136,7 +136,8 @@ def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
 
 def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, Any]:
     """This rank's checkpoint: local model parameters, the inner optimizers' states (this rank's dp shard of the
-    distributed optimizer), lr schedules, RNG (torch + Megatron's tracker), ``skipped_steps`` and ``extra``."""
+    distributed optimizer: Adam moments and step), the fp32 main copies of bf16/fp16 parameters (that shard; empty
+    lists in fp32, where the optimizer steps the parameters themselves), lr schedules, RNG (torch + Megatron's tracker), ``skipped_steps`` and ``extra``."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from hybridflow.distributed.checkpoint import rng_state
@@ -149,8 +150,33 @@ def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, 
     if engine.optimizer is not None:
         opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
         state["optim"] = [opt.optimizer.state_dict() for opt in opts]
+        state["main_params"] = [[p.detach().clone() for p in group] for opt in opts
+                                for group in opt.shard_fp32_from_float16_groups]
         state["lr_scheduler"] = [s.state_dict() for s in engine.lr_scheduler]
     return state
+
+
+def _restore_main_params(opts: list, saved: Optional[list[list[torch.Tensor]]]) -> None:
+    """Copy the saved fp32 main copies of bf16/fp16 parameters (this rank's dp shard, one list per parameter group
+    of each distributed optimizer) into ``opts``. Without them (a checkpoint written before they were saved) the
+    main copies are rebuilt from the just-loaded low-precision weights (a resume, not a bit-exact one).
+
+    Raises:
+        ValueError: the saved groups do not match the optimizer's (another model or layout).
+    """
+    groups = [group for opt in opts for group in opt.shard_fp32_from_float16_groups]
+    if saved is None:
+        for opt in opts:
+            opt.reload_model_params()
+        return
+    shapes = [[tuple(p.shape) for p in group] for group in groups]
+    if shapes != [[tuple(p.shape) for p in group] for group in saved]:
+        raise ValueError("the checkpoint's fp32 main parameters do not match this megatron optimizer's shards "
+                         "(another model or layout)")
+    with torch.no_grad():
+        for group, saved_group in zip(groups, saved):
+            for param, value in zip(group, saved_group):
+                param.copy_(value)
 
 
 def restore_state(engine: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +191,7 @@ def restore_state(engine: Any, state: dict[str, Any]) -> dict[str, Any]:
         opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
         for opt, saved in zip(opts, state["optim"]):
             opt.optimizer.load_state_dict(saved)
+        _restore_main_params(opts, state.get("main_params"))
         for scheduler, saved in zip(engine.lr_scheduler, state["lr_scheduler"]):
             scheduler.load_state_dict(saved)
     set_rng_state(state["rng"])

@@ -230,3 +230,14 @@ def test_switch_memory_bound(case, runs):
             assert res["peak_extra_bytes"] == 0
         if offload:  # no in-place shards: the whole generation shard is really allocated
             assert res["peak_extra_bytes"] >= res["model_bytes"] / tp_g
+
+
+def test_a_weight_in_another_dtype_is_refused_before_any_transfer():
+    """One process: a bf16 model with one fp32 weight (the fp32 norms a bf16 Megatron model once had) is refused
+    with the weight's name, instead of a receiver allocating it in bf16 (a collective size mismatch with pp > 1,
+    a float/bf16 matmul in the decoder with pp = 1)."""
+    model = tiny_model(LlamaForCausalLM).to(torch.bfloat16)
+    model.model.norm.weight.data = model.model.norm.weight.data.float()
+    with pytest.raises(RuntimeError, match=r"'model.norm.weight' is torch.float32, the generation model is "
+                                           r"torch.bfloat16"):
+        HybridEngine(model, gen_tp=1).switch_to_generation()
