@@ -137,7 +137,8 @@ def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
 def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, Any]:
     """This rank's checkpoint: local model parameters, the inner optimizers' states (this rank's dp shard of the
     distributed optimizer: Adam moments and step), the fp32 main copies of bf16/fp16 parameters (that shard; empty
-    lists in fp32, where the optimizer steps the parameters themselves), lr schedules, RNG (torch + Megatron's tracker), ``skipped_steps`` and ``extra``."""
+    lists in fp32, where the optimizer steps the parameters themselves), lr schedules, RNG (torch + Megatron's
+    tracker), ``skipped_steps`` and ``extra``."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from hybridflow.distributed.checkpoint import rng_state
