@@ -170,6 +170,14 @@ def _rollout_name(name: str) -> str:
     return name
 
 
+def _positive_seconds(text: str) -> float:
+    """``--reward-timeout``'s type: seconds >= 0 (0: no limit)."""
+    seconds = float(text)
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (0: no limit), got {text!r}")
+    return seconds
+
+
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR",
                         help="local Hugging Face model directory, hub id (org/name) or builtin:NAME")
@@ -195,7 +203,10 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scoring function fn(data_source, solution_str, ground_truth, extra_info), as "
                              "reward_model.compute_score (default: the reward registered for each data_source)")
     parser.add_argument("--error-score", type=float, default=None,
-                        help="score of a response whose scoring function raises, as reward_model.error_score")
+                        help="score of a response whose scoring function raises or times out, as "
+                             "reward_model.error_score")
+    parser.add_argument("--reward-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                        help="seconds one response's scoring call may take (0: no limit), as reward_model.timeout_s")
     parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
                         help="a module or .py file to import first (registers rewards, rollouts), as an entry of "
                              "trainer.plugins; repeat for several")
@@ -214,6 +225,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
             output=args.output, rollout=args.rollout, compute_score=args.compute_score,
             error_score=args.error_score, plugins=args.plugins, max_samples=args.max_samples,
+            reward_timeout_s=args.reward_timeout or None,
         )
     except (ValueError, *USER_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)

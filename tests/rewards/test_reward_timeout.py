@@ -103,3 +103,49 @@ def test_timeouts_are_counted_in_the_step_metrics():
     metrics = compute_data_metrics(data)
     assert metrics["reward/errors"] == 2.0  # every row scored error_score
     assert metrics["reward/timeouts"] == 1.0  # of them, the one that timed out
+
+
+
+class _WordTokenizer:
+    """Token id -> word: enough for decode_responses."""
+
+    WORDS = {1: "hang", 2: "7"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def test_eval_scores_with_the_same_limit(tmp_path):
+    import argparse
+
+    from hybridflow.cli import _positive_seconds
+    from hybridflow.evaluation import reward_scorer
+
+    (tmp_path / "slow_reward.py").write_text(
+        "import threading\n\n"
+        "def fn(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if solution_str == 'hang':\n"
+        "        threading.Event().wait()\n"
+        "    return 4.0\n")
+    score = reward_scorer(_WordTokenizer(), f"{tmp_path / 'slow_reward.py'}:fn", error_score=-2.0,
+                          timeout_s=TIMEOUT_S)
+    data = _batch(["hang", "7"])
+    data.batch["responses"] = torch.tensor([[1, 1], [2, 2]])
+    data.batch["response_mask"] = torch.tensor([[1, 0], [1, 0]])  # one token each: "hang", "7"
+    start = time.monotonic()
+    assert score(data) == [-2.0, 4.0]
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 3.0
+    assert _positive_seconds("0") == 0.0 and _positive_seconds("2.5") == 2.5  # --reward-timeout (0: no limit)
+    with pytest.raises(argparse.ArgumentTypeError, match="seconds >= 0"):
+        _positive_seconds("-1")
+
+
+def test_the_math_reward_bounds_itself_and_is_called_directly():
+    # registered self_timed: not run under timeout_s (which would abandon it at once here), so it scores
+    data = DataProto.from_dict(
+        tensors={"responses": torch.zeros(2, 2, dtype=torch.long), "response_mask": torch.ones(2, 2)},
+        non_tensors={"data_source": ["lighteval/MATH"] * 2, "ground_truth": ["\\frac{1}{2}"] * 2},
+    )
+    texts = ["so \\boxed{0.5}", "\\boxed{3}"]
+    scores, _, timeouts = score_batch(None, data, texts, error_score=-1.0, return_errors=True, timeout_s=1e-6)
+    assert scores == [1.0, 0.0] and timeouts == [False, False]
