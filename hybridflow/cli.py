@@ -5,7 +5,8 @@ and returns the exit status. A config problem prints the ``ConfigError`` message
 before anything heavy (Ray, models) starts. ``train``: bad data (a :class:`~hybridflow.errors.UserError`: a missing
 column, an empty file, an over-long prompt, an unknown ``data_source``) or a bad path prints ``error: <message>``
 and exits with 1, before Ray starts; Ctrl-C prints one line (last complete step, latest checkpoint, the command
-that resumes) and exits with 130. A config that cannot resume the checkpoint in the run directory
+that resumes) and exits with 130; a worker-group call past ``trainer.call_timeout_s`` prints the same line led by
+the group, method and ranks that did not answer, and exits with 124. A config that cannot resume the checkpoint in the run directory
 (``IncompatibleCheckpointError``, found before Ray starts) prints one line and exits with 2. Any other exception is a bug and keeps its
 traceback. ``eval``: bad data, a bad path or a reward option that does not load prints ``error: <message>`` and
 exits with 1; Ctrl-C prints one line (prompts scored, where the partial output is) and exits with 130.
@@ -25,7 +26,7 @@ from typing import NamedTuple
 from omegaconf import OmegaConf
 
 from hybridflow.config import ConfigError, available_recipes, load_config
-from hybridflow.errors import TrainingInterrupted, UserError
+from hybridflow.errors import TrainingInterrupted, TrainingTimedOut, UserError
 from hybridflow.mapping import plan_cli
 from hybridflow.utils import startup
 from hybridflow.utils.progress import terminal_logging
@@ -33,6 +34,7 @@ from hybridflow.utils.progress import terminal_logging
 EXIT_CONFIG_ERROR = 2  # same status as argparse's usage errors
 EXIT_USER_ERROR = 1  # bad data or paths, reported in one line
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), the shell's convention
+EXIT_TIMED_OUT = 124  # a worker-group call ran past trainer.call_timeout_s (timeout(1)'s status)
 USER_ERRORS = (UserError, FileNotFoundError, NotADirectoryError, FileExistsError)
 
 
@@ -104,9 +106,9 @@ def _run_train(args: argparse.Namespace) -> int:
         logging.getLogger("hybridflow").debug("train failed", exc_info=True)
         print("\n".join(report_lines(exc)), file=sys.stderr)  # (a UserCodeError: the user's frames under it)
         return EXIT_USER_ERROR
-    except TrainingInterrupted as exc:
+    except TrainingInterrupted as exc:  # Ctrl-C, or a call past trainer.call_timeout_s (TrainingTimedOut)
         print(_interrupted_line(exc, args), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TIMED_OUT if isinstance(exc, TrainingTimedOut) else EXIT_INTERRUPTED
     except Exception as exc:  # a worker's UserError (e.g. the user's reward raised): one line + the user's frames
         user = getattr(exc, "user_error", None)  # (a WorkerError's; any other exception is a bug: traceback)
         if user is None:
@@ -118,16 +120,19 @@ def _run_train(args: argparse.Namespace) -> int:
 
 
 def _interrupted_line(exc: TrainingInterrupted, args: argparse.Namespace) -> str:
-    """One line for Ctrl-C: the last complete step, the latest complete checkpoint and the command that resumes
-    from it (the same command line; ``trainer.resume_mode=auto``, the default, picks the latest checkpoint)."""
+    """One line for Ctrl-C or a worker-group call past ``trainer.call_timeout_s`` (a :class:`TrainingTimedOut`,
+    whose reason comes first: the group, the method, the ranks that did not answer): the last complete step, the
+    latest complete checkpoint and the command that resumes from it (the same command line;
+    ``trainer.resume_mode=auto``, the default, picks the latest checkpoint)."""
     overrides = [o for o in args.overrides if not o.startswith("trainer.resume_mode=")]
     if any(o.startswith("trainer.resume_mode=") and o != "trainer.resume_mode=auto" for o in args.overrides):
         overrides.append("trainer.resume_mode=auto")
     command = shlex.join(["hybridflow", "train", args.recipe, *overrides])
+    what = (f"{exc.reason}; stopped" if isinstance(exc, TrainingTimedOut) else "interrupted")
     if exc.checkpoint is None:
-        return (f"interrupted after step {exc.step}/{exc.total}; no complete checkpoint (trainer.save_freq "
+        return (f"{what} after step {exc.step}/{exc.total}; no complete checkpoint (trainer.save_freq "
                 f"sets how often one is saved); start again with: {command}")
-    return (f"interrupted after step {exc.step}/{exc.total}; latest complete checkpoint: {exc.checkpoint}; "
+    return (f"{what} after step {exc.step}/{exc.total}; latest complete checkpoint: {exc.checkpoint}; "
             f"resume with: {command}")
 
 
@@ -165,6 +170,14 @@ def _rollout_name(name: str) -> str:
     return name
 
 
+def _positive_seconds(text: str) -> float:
+    """``--reward-timeout``'s type: seconds >= 0 (0: no limit)."""
+    seconds = float(text)
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"must be seconds >= 0 (0: no limit), got {text!r}")
+    return seconds
+
+
 def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR",
                         help="local Hugging Face model directory, hub id (org/name) or builtin:NAME")
@@ -190,7 +203,10 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scoring function fn(data_source, solution_str, ground_truth, extra_info), as "
                              "reward_model.compute_score (default: the reward registered for each data_source)")
     parser.add_argument("--error-score", type=float, default=None,
-                        help="score of a response whose scoring function raises, as reward_model.error_score")
+                        help="score of a response whose scoring function raises or times out, as "
+                             "reward_model.error_score")
+    parser.add_argument("--reward-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                        help="seconds one response's scoring call may take (0: no limit), as reward_model.timeout_s")
     parser.add_argument("--plugins", action="append", default=[], metavar="MODULE|FILE.py",
                         help="a module or .py file to import first (registers rewards, rollouts), as an entry of "
                              "trainer.plugins; repeat for several")
@@ -209,6 +225,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
             output=args.output, rollout=args.rollout, compute_score=args.compute_score,
             error_score=args.error_score, plugins=args.plugins, max_samples=args.max_samples,
+            reward_timeout_s=args.reward_timeout or None,
         )
     except (ValueError, *USER_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)

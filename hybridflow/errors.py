@@ -50,6 +50,22 @@ class TrainingInterrupted(Exception):
         self.step, self.total, self.checkpoint = step, total, checkpoint
 
 
+class TrainingTimedOut(TrainingInterrupted):
+    """``hybridflow train`` stopped itself (after the same cleanup as :class:`TrainingInterrupted`) because a
+    worker-group call did not finish within ``trainer.call_timeout_s``.
+
+    Args:
+        reason: one line naming the group, the method and the ranks that did not answer, and the limit.
+        step, total, checkpoint: as :class:`TrainingInterrupted`.
+    """
+
+    def __init__(self, reason: str, step: int, total: int, checkpoint: Optional[str]) -> None:
+        super().__init__(step, total, checkpoint)
+        self.reason = reason
+        self.args = (f"{reason}; stopped after step {step}/{total}; latest complete checkpoint: "
+                     f"{checkpoint or 'none'}",)
+
+
 class EvalInterrupted(KeyboardInterrupt):
     """``hybridflow eval`` was stopped by Ctrl-C; a ``KeyboardInterrupt``, so callers that stop on Ctrl-C still
     stop. ``str(error)`` is the one line the command line prints.

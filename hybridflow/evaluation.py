@@ -67,7 +67,7 @@ def evaluate(
     max_response_length: int = 512, truncation: str = "error", dtype: str = "auto", device: str = "auto",
     seed: int = 0, output: Optional[PathLike] = None, prompt_key: str = "prompt", trust_remote_code: bool = False,
     rollout: str = "hf", compute_score: str = "default", error_score: Optional[float] = None,
-    plugins: Sequence[str] = (), max_samples: int = -1,
+    plugins: Sequence[str] = (), max_samples: int = -1, reward_timeout_s: Optional[float] = 300.0,
 ) -> dict:
     """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards or a user
     scoring function.
@@ -90,8 +90,9 @@ def evaluate(
             (0..n-1 within its prompt).
         prompt_key, trust_remote_code: the row key of the prompt; passed to the tokenizer and model loaders.
         rollout: the rollout backend's registered name (``hf``, ``vllm``), as ``actor_rollout_ref.rollout.name``.
-        compute_score, error_score, plugins: as ``reward_model.compute_score``, ``reward_model.error_score`` and
-            ``trainer.plugins`` in training (:func:`reward_scorer`).
+        compute_score, error_score, plugins, reward_timeout_s: as ``reward_model.compute_score``,
+            ``reward_model.error_score``, ``trainer.plugins`` and ``reward_model.timeout_s`` in training
+            (:func:`reward_scorer`).
         max_samples: keep the first N prompt rows of ``data_files`` (-1: all), as ``data.val_max_samples``.
     Progress: a bar with ETA per pass on a terminal, plain lines otherwise (:mod:`hybridflow.utils.progress`).
 
@@ -118,7 +119,7 @@ def evaluate(
     files = [os.fspath(f) for f in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     tokenizer = load_tokenizer(model_path, trust_remote_code)
-    score = reward_scorer(tokenizer, compute_score, error_score, plugins)  # before the data check and the model
+    score = reward_scorer(tokenizer, compute_score, error_score, plugins, reward_timeout_s)  # before data, model
     rows = first_rows(load_rows(files, prompt_key), max_samples, "max_samples")
     dataset = prompt_dataset(rows, tokenizer, max_prompt_length, prompt_key, truncation,
                              check_sources=compute_score == "default")
@@ -158,12 +159,13 @@ def prompt_dataset(rows: list[dict], tokenizer: Any, max_prompt_length: Optional
 
 
 def reward_scorer(tokenizer: Any, compute_score: str = "default", error_score: Optional[float] = None,
-                  plugins: Sequence[str] = ()) -> Callable[[DataProto], list[float]]:
+                  plugins: Sequence[str] = (), timeout_s: Optional[float] = None) -> Callable[[DataProto], list[float]]:
     """N scored responses -> N floats, as training scores them: ``plugins`` imported as the config loader imports
     ``trainer.plugins`` (:func:`hybridflow.plugins.import_plugins`, file paths made absolute), then
     ``compute_score`` loaded as the reward worker loads ``reward_model.compute_score`` (``default``: the reward
     registered for each row's ``data_source``; else ``path/file.py:fn`` or ``module:fn``,
-    :func:`hybridflow.rewards.load_compute_score`) and :func:`score_batch` with ``error_score``.
+    :func:`hybridflow.rewards.load_compute_score`) and :func:`score_batch` with ``error_score`` and ``timeout_s``
+    (seconds per response's call, as ``reward_model.timeout_s``; None: unbounded).
 
     Raises:
         UserError: a plugin cannot be imported (one line naming it).
@@ -173,7 +175,7 @@ def reward_scorer(tokenizer: Any, compute_score: str = "default", error_score: O
     fn = None if compute_score == "default" else load_compute_score(compute_score)  # None: the registry
 
     def score(rows: DataProto) -> list[float]:
-        return score_batch(tokenizer, rows, error_score=error_score, compute_score=fn)
+        return score_batch(tokenizer, rows, error_score=error_score, compute_score=fn, timeout_s=timeout_s)
 
     return score
 

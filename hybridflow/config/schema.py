@@ -165,6 +165,13 @@ class RolloutConfig:
     # cache (same logits, fewer operators: hybridflow/rollout/fast_decode.py); false = transformers' forward
     fast_decode: bool = True
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
+    # vllm rollout: fraction of each GPU's memory the engine may use (weights, activations, KV cache), when
+    # kv_cache_memory_bytes is null (verl's key)
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True  # vllm rollout: no CUDA graphs / torch.compile (faster start, less memory; verl's key)
+    # vllm rollout: bytes of KV cache per engine, instead of sizing it by gpu_memory_utilization (vLLM's engine
+    # argument); null: by gpu_memory_utilization on GPU, 256 MiB on CPU (or VLLM_CPU_KVCACHE_SPACE GiB)
+    kv_cache_memory_bytes: Optional[int] = None
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,
     # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
@@ -301,7 +308,10 @@ class RewardConfig:
     # default (the reward registered for each row's data_source) | path/to/file.py:fn | package.module:fn, a user
     # fn(data_source, solution_str, ground_truth, extra_info=None) -> float (verl's custom_reward_function)
     compute_score: str = "default"
-    error_score: Optional[float] = None  # score used when a reward function raises; None stops with an error
+    error_score: Optional[float] = None  # score of a response whose reward raises or times out; None: stop the run
+    # seconds one response's rule/user scoring call may take before it is abandoned (its thread left running) and
+    # the response scored error_score, counted in reward/timeouts; null: unbounded (docs/how-to/reward.md)
+    timeout_s: Optional[float] = 300.0
     enable: bool = False  # also score with a reward model (a sequence/token-classification checkpoint)
     strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training) that runs the reward model
     model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # the reward model's local directory
@@ -355,6 +365,10 @@ class TrainerConfig:
     # user modules (names on PYTHONPATH or .py file paths) imported on the driver before the config is validated
     # and in every worker before any lookup: they register drivers, losses, rewards, rollouts, tools by name
     plugins: list[str] = field(default_factory=list)
+    # seconds the driver waits for one worker-group call's outputs before the run stops, naming the group, method,
+    # ranks that did not answer and the latest checkpoint (a call waited on may include the calls it depends on);
+    # null: unbounded (docs/troubleshooting.md)
+    call_timeout_s: Optional[float] = None
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
 
 

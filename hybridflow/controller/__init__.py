@@ -12,13 +12,14 @@ from hybridflow.controller.dispatch import (
     get_dispatch_mode,
     register_dispatch_mode,
 )
-from hybridflow.controller.futures import DataProtoFuture, WorkerError
+from hybridflow.controller.futures import CallTimeoutError, DataProtoFuture, WorkerError
 from hybridflow.controller.resource_pool import ResourceError, ResourcePool, ResourcePoolManager
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
 from hybridflow.controller.colocated import ColocatedWorkerGroup, can_colocate, create_colocated, create_groups
 
 __all__ = [
+    "CallTimeoutError",
     "ColocatedWorkerGroup",
     "DataProtoFuture",
     "Dispatch",

@@ -9,6 +9,7 @@ it lazily and each of its workers materializes only its own chunk, so the driver
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import ray
@@ -16,7 +17,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from hybridflow.errors import UserError
 
-__all__ = ["DataProtoFuture", "WorkerError", "get_outputs", "get_outputs_many"]
+__all__ = ["CallTimeoutError", "DataProtoFuture", "WorkerError", "get_outputs", "get_outputs_many"]
 
 
 class WorkerError(RuntimeError):
@@ -54,31 +55,60 @@ class WorkerError(RuntimeError):
         return original if isinstance(original, UserError) else None
 
 
-def get_outputs(refs: Sequence[ray.ObjectRef], ranks: Sequence[int], group: str, method: str) -> list[Any]:
+class CallTimeoutError(TimeoutError):
+    """Some ranks did not answer a worker-group call within the caller's time limit.
+
+    Attributes: ``waiting`` (``(group, method, ranks that did not answer)`` per call still waited on, in call
+    order), ``timeout_s``; ``group``, ``method`` and ``ranks`` are the first call's. The calls are not stopped
+    (their actors keep running until the caller removes them).
+    """
+
+    def __init__(self, waiting: Sequence[tuple[str, str, list[int]]], timeout_s: float) -> None:
+        self.waiting, self.timeout_s = [(g, m, list(r)) for g, m, r in waiting], timeout_s
+        self.group, self.method, self.ranks = self.waiting[0]
+        calls = "; ".join(f"worker group {g!r}: ranks {r} did not answer {m}()" for g, m, r in self.waiting)
+        super().__init__(f"{calls} within {timeout_s:g} s")
+
+    def __reduce__(self):  # keep the fields when pickled (Ray ships errors between processes)
+        return (CallTimeoutError, (self.waiting, self.timeout_s))
+
+
+def get_outputs(refs: Sequence[ray.ObjectRef], ranks: Sequence[int], group: str, method: str,
+                timeout_s: Optional[float] = None) -> list[Any]:
     """``ray.get`` the outputs of one call, raising the first failure as a ``WorkerError`` naming its rank.
 
     Results are awaited as they complete (``ray.wait``), so a rank that fails early is reported even while
-    its peers still block, e.g. in a collective waiting for it.
+    its peers still block, e.g. in a collective waiting for it. ``timeout_s``: seconds to wait in all (None:
+    unbounded).
 
     Raises:
         WorkerError: a rank raised (``RayTaskError``) or its actor died (``RayActorError``).
+        CallTimeoutError: ranks had not answered after ``timeout_s`` seconds (names the group, method, ranks).
     """
-    return get_outputs_many([(refs, ranks, group, method)])[0]
+    return get_outputs_many([(refs, ranks, group, method)], timeout_s)[0]
 
 
-def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int], str, str]]) -> list[list[Any]]:
+def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int], str, str]],
+                     timeout_s: Optional[float] = None) -> list[list[Any]]:
     """Wait for several calls, possibly of different groups running together (e.g. a sender and its receivers),
     each ``(refs, their ranks, group, method)``; returns their outputs. The first failure of any of them is
-    raised at once as a ``WorkerError``, so a rank whose peer died is not waited for.
+    raised at once as a ``WorkerError``, so a rank whose peer died is not waited for. ``timeout_s``: seconds to
+    wait for all of them, from this call on (None: unbounded).
 
     Raises:
         WorkerError: a rank raised or its actor died (names the group, rank and method).
+        CallTimeoutError: ranks had not answered after ``timeout_s`` seconds (names, per call, the group, the
+            method and the ranks).
     """
     where = {ref: (group, rank, method) for refs, ranks, group, method in calls for ref, rank in zip(refs, ranks)}
     values: dict[ray.ObjectRef, Any] = {}
     pending = list(where)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise _timeout_error(calls, set(pending), timeout_s)
         if pending:  # the others already done are fetched in the same round
             more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
             ready += more
@@ -89,6 +119,13 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
                 group, rank, method = where[ref]
                 raise WorkerError(group, rank, method, err) from err
     return [[values[ref] for ref in refs] for refs, _, _, _ in calls]
+
+
+def _timeout_error(calls: Sequence[tuple], pending: set, timeout_s: float) -> CallTimeoutError:
+    """The :class:`CallTimeoutError` naming, per call of ``calls`` with refs in ``pending``, the ranks behind them."""
+    waiting = [(group, method, [rank for ref, rank in zip(refs, ranks) if ref in pending])
+               for refs, ranks, group, method in calls]
+    return CallTimeoutError([w for w in waiting if w[2]], timeout_s)
 
 
 class _SelectChunk:
@@ -119,6 +156,8 @@ class DataProtoFuture:
         dispatch_fn: optional ``DataProto -> DataProto`` applied after ``collect_fn`` (a consumer's chunk).
         source: ``(group name, method, ranks of futures)``, used to name the failing rank in errors.
         by_rank: the outputs may be handed to consumers one per rank (:meth:`split_by_rank`).
+        timeout_s: how long :meth:`get` waits for the producing call (None: unbounded); the producing group's
+            ``call_timeout_s``.
     """
 
     def __init__(
@@ -128,12 +167,14 @@ class DataProtoFuture:
         dispatch_fn: Optional[Callable[[Any], Any]] = None,
         source: Optional[tuple[str, str, list[int]]] = None,
         by_rank: bool = False,
+        timeout_s: Optional[float] = None,
     ) -> None:
         self.collect_fn = collect_fn
         self.futures = list(futures)
         self.dispatch_fn = dispatch_fn
         self.source = source or ("?", "?", list(range(len(self.futures))))
         self.by_rank = by_rank
+        self.timeout_s = timeout_s
 
     def split_by_rank(self) -> "DataProtoFuture":
         """This future, with the caller's promise that the producing method returns the same number of rows for
@@ -143,7 +184,8 @@ class DataProtoFuture:
         (:meth:`chunk`): each consumer rank receives one producer rank's output straight from Ray, instead of
         fetching every output and splitting the batch again. Other splits fall back to :meth:`chunk`'s lazy
         pieces."""
-        return DataProtoFuture(self.collect_fn, self.futures, self.dispatch_fn, self.source, by_rank=True)
+        return DataProtoFuture(self.collect_fn, self.futures, self.dispatch_fn, self.source, by_rank=True,
+                               timeout_s=self.timeout_s)
 
     def _rank_outputs(self, chunks: int) -> Optional[list[ray.ObjectRef]]:
         """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`)."""
@@ -170,7 +212,8 @@ class DataProtoFuture:
         if outputs is not None:
             return outputs
         return [
-            DataProtoFuture(self.collect_fn, self.futures, _SelectChunk(chunks, i, self.dispatch_fn), self.source)
+            DataProtoFuture(self.collect_fn, self.futures, _SelectChunk(chunks, i, self.dispatch_fn), self.source,
+                            timeout_s=self.timeout_s)
             for i in range(chunks)
         ]
 
@@ -179,10 +222,11 @@ class DataProtoFuture:
 
         Raises:
             WorkerError: a producing rank failed (names the producer's group, rank and method).
+            CallTimeoutError: producing ranks had not answered after ``timeout_s`` seconds.
             ValueError: this is a chunk of a batch whose size is not divisible by the number of chunks.
         """
         group, method, ranks = self.source
-        output = self.collect_fn(get_outputs(self.futures, ranks, group, method))
+        output = self.collect_fn(get_outputs(self.futures, ranks, group, method, self.timeout_s))
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)
         return output

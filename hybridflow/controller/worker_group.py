@@ -96,13 +96,30 @@ def _refs_of(previous: Any) -> list[ray.ObjectRef]:
 
 class _WorkerGroupBase:
     """Binding, dispatch and execution of a worker group's registered methods (``RayWorkerGroup`` adds the
-    actors)."""
+    actors).
+
+    ``call_timeout_s``: seconds the caller waits for one call's outputs (a blocking call, ``execute_*``, a
+    returned future's ``get()``) before :class:`~hybridflow.controller.futures.CallTimeoutError` names the ranks
+    that did not answer; None (default): unbounded. Settable at any time; a future keeps the value it was made with.
+    """
 
     def __init__(self, name: str, workers: list, mesh_cache: dict[str, MeshDispatchInfo]) -> None:
         self._name = name
         self._workers = workers
         self._mesh_cache = mesh_cache
         self._remote_names: dict[str, str] = {}
+        self._call_timeout_s: Optional[float] = None
+
+    @property
+    def call_timeout_s(self) -> Optional[float]:
+        """Seconds a call's outputs are waited for (None: unbounded); see the class docstring."""
+        return self._call_timeout_s
+
+    @call_timeout_s.setter
+    def call_timeout_s(self, value: Optional[float]) -> None:
+        if value is not None and not value > 0:
+            raise ValueError(f"worker group {self._name!r}: call_timeout_s must be None or > 0, got {value!r}")
+        self._call_timeout_s = None if value is None else float(value)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -130,7 +147,7 @@ class _WorkerGroupBase:
         if mesh_name not in self._mesh_cache:
             remote = self._remote_name("_query_dispatch_info")
             refs = [getattr(w, remote).remote(mesh_name) for w in self._workers]
-            infos = get_outputs(refs, range(len(refs)), self._name, "_query_dispatch_info")
+            infos = get_outputs(refs, range(len(refs)), self._name, "_query_dispatch_info", self._call_timeout_s)
             self._mesh_cache[mesh_name] = MeshDispatchInfo(
                 mesh_name, tuple(int(d) for d, _ in infos), tuple(bool(c) for _, c in infos)
             )
@@ -147,14 +164,16 @@ class _WorkerGroupBase:
         return [getattr(w, remote).remote(*args, **kwargs) for w in self._workers]
 
     def execute_all(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``execute_all_async`` and wait: the outputs in rank order. Raises ``WorkerError`` naming the rank."""
+        """``execute_all_async`` and wait: the outputs in rank order. Raises ``WorkerError`` naming the rank,
+        ``CallTimeoutError`` past ``call_timeout_s``."""
         refs = self.execute_all_async(method_name, *args, **kwargs)
-        return get_outputs(refs, range(len(refs)), self._name, method_name)
+        return get_outputs(refs, range(len(refs)), self._name, method_name, self._call_timeout_s)
 
     def execute_rank_zero(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method_name`` on rank 0 only and return its output. Raises ``WorkerError``."""
+        """Call ``method_name`` on rank 0 only and return its output. Raises ``WorkerError``, ``CallTimeoutError``
+        past ``call_timeout_s``."""
         ref = getattr(self._workers[0], self._remote_name(method_name)).remote(*args, **kwargs)
-        return get_outputs([ref], [0], self._name, method_name)[0]
+        return get_outputs([ref], [0], self._name, method_name, self._call_timeout_s)[0]
 
     # ------------------------------------------------------------------ registered methods
     def _bind(self, method_name: str, remote_name: str, spec: MethodSpec, doc: Optional[str]) -> None:
@@ -210,9 +229,10 @@ class _WorkerGroupBase:
         collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
         if not spec.blocking:
             if mode.returns_proto:
-                return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks))
+                return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
+                                       timeout_s=self._call_timeout_s)
             return [refs[ranks.index(r)] for r in counted]
-        return collector(get_outputs(refs, ranks, self._name, method_name))
+        return collector(get_outputs(refs, ranks, self._name, method_name, self._call_timeout_s))
 
     def _check_plan(self, method_name: str, plan: DispatchPlan) -> None:
         n = self.world_size

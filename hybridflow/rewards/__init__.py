@@ -36,15 +36,17 @@ REWARDS: Registry = Registry("reward", missing="no reward registered for data_so
 REWARD_REGISTRY = REWARDS  # the former name (it was a dict; the Registry keeps ``pop`` and ``in``)
 
 
-def register_reward(*data_sources: str,
-                    extract_answer: Optional[AnswerFn] = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward(*data_sources: str, extract_answer: Optional[AnswerFn] = None,
+                    self_timed: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``fn(data_source, solution_str, ground_truth, extra_info=None) -> float`` (verl's
     signature, as ``reward_model.compute_score``) for data sources; returns ``fn`` unchanged.
 
     A data source has one scorer: registering one that is taken raises, even with the same function (two modules
     claiming one data source is a mistake worth a clear error). ``extract_answer(solution_str) -> str | None``, when
     given, returns the final answer a response gives, in a canonical form two responses can be compared by (the
-    majority vote of validation's ``maj@n``; :func:`extract_answer`).
+    majority vote of validation's ``maj@n``; :func:`extract_answer`). ``self_timed=True`` declares a scorer that
+    bounds its own time (the MATH reward's per-parse limit, which needs the calling thread): scoring then calls it
+    directly instead of under ``reward_model.timeout_s`` (:func:`hybridflow.rewards.batch.score_batch`).
 
     Raises:
         ValueError: no data source given, or one is already registered.
@@ -60,7 +62,7 @@ def register_reward(*data_sources: str,
         for source in data_sources:
             if source in REWARDS:
                 raise ValueError(f"reward for data_source {source!r} is already registered")
-            REWARDS.register(source, extract_answer=extract_answer)(fn)
+            REWARDS.register(source, extract_answer=extract_answer, self_timed=self_timed)(fn)
         return fn
 
     return decorator
@@ -192,7 +194,7 @@ def _tool_arith(data_source: str, solution_str: str, ground_truth: str, extra_in
     return tool_arith.compute_score(solution_str, ground_truth, extra_info)
 
 
-@register_reward(*MATH_DATA_SOURCES, extract_answer=_boxed_answer)
+@register_reward(*MATH_DATA_SOURCES, extract_answer=_boxed_answer, self_timed=True)  # PARSE_TIMEOUT_S per parse
 def _math_equiv(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return math.compute_score(solution_str, ground_truth)
 

@@ -224,7 +224,9 @@ class VLLMRollout(BaseRollout):
             used: vLLM schedules the whole batch itself). Engine, each optional:
             ``tensor_model_parallel_size`` (tp_g, default 1), ``kv_cache_memory_bytes`` (CPU default 256 MiB),
             ``gpu_memory_utilization`` (GPU default 0.5, used when ``kv_cache_memory_bytes`` is unset),
-            ``enforce_eager`` (default True), ``seed`` (engine seed for unseeded requests, default 0),
+            ``enforce_eager`` (default True) (these three: the ``actor_rollout_ref.rollout`` keys of the same
+            names, :func:`hybridflow.workers.actor_worker.make_rollout_config`), ``seed`` (engine seed for
+            unseeded requests, default 0),
             ``weight_bucket_bytes`` (default 256 MiB). LoRA adapters (:mod:`hybridflow.rollout.vllm_lora`), optional:
             ``lora_rank`` (> 0: the engine takes the actor's adapters, see :meth:`load_weights`) and ``lora_alpha``.
         eos_token_id: id or ids that end a response (all of them stop generation).

@@ -162,14 +162,15 @@ class AsyncTrainer(Driver):
         host, port, layout = self.ppo.actor.open_weight_sync()
         world = 1 + self.generators.world_size
         get_outputs_many([_call(self.ppo.actor, "init_weight_sync", host, port, world),
-                          _call(self.generators, "init_weight_sync", host, port, world, layout)])
+                          _call(self.generators, "init_weight_sync", host, port, world, layout)],
+                         self.ppo.actor.call_timeout_s)
 
     def push_weights(self, version: int) -> dict[str, float]:
         """Send the trainer's weights of ``version`` to every generator; returns the transfer metrics."""
         from hybridflow.controller.futures import get_outputs_many
 
         sent, _ = get_outputs_many([_call(self.ppo.actor, "send_weights", version),
-                                    _call(self.generators, "receive_weights", version)])
+                                    _call(self.generators, "receive_weights", version)], self.ppo.actor.call_timeout_s)
         return sent[0]
 
     def _push_after(self, update: Any, version: int) -> list[tuple]:
@@ -276,7 +277,7 @@ class AsyncTrainer(Driver):
             self._prepare_next(version + 1)
             metrics = absorb_metrics(update.get(), batch)
         with timer("weight_push", t):
-            sent, _ = get_outputs_many(push)
+            sent, _ = get_outputs_many(push, self.ppo.actor.call_timeout_s)
         return {**metrics, **sent[0]}
 
     def validate(self, val_data: DataProto) -> dict[str, float]:

@@ -9,7 +9,8 @@ import os
 
 from typing import Any, Callable, Iterator, Optional
 
-from hybridflow.errors import TrainingInterrupted, UserCodeError, UserError
+from hybridflow.controller.futures import CallTimeoutError
+from hybridflow.errors import TrainingInterrupted, TrainingTimedOut, UserCodeError, UserError
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CheckpointManager, check_resume_config, load_trainer_state
 from hybridflow.trainer.driver import get_driver
@@ -37,6 +38,9 @@ def run_ppo(config: Any) -> dict:
             and Ray is shut down, naming the last complete step and the latest complete checkpoint. Everything
             already written stays: checkpoints are renamed into place only when complete, and every step's
             metrics row is flushed when logged.
+        TrainingTimedOut: (a ``TrainingInterrupted``) a worker-group call, ``init_model`` included, did not finish
+            within ``trainer.call_timeout_s``; the same cleanup, and its ``reason`` names the group, the method
+            and the ranks that did not answer.
     """
     startup.begin_if_idle()
     train_batches, val_data, steps_per_epoch = build_data(config)  # bad data fails before Ray starts
@@ -64,6 +68,8 @@ def _run_locked(config: Any, train_batches: Callable[[int], Iterator[DataProto]]
             return _train(config, groups, train_batches, val_data, total, start)
     except KeyboardInterrupt:  # before training started (Ray, workers); _train reports the steps it ran
         raise TrainingInterrupted(start, total, checkpoints.latest()) from None
+    except CallTimeoutError as exc:  # a group's init_model did not finish in time
+        raise timed_out(exc, start, total, checkpoints.latest()) from exc
     finally:
         if started_ray:
             ray.shutdown()
@@ -139,6 +145,7 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
 
     Raises:
         TrainingInterrupted: Ctrl-C during training (names the last logged step and the latest checkpoint).
+        TrainingTimedOut: a worker-group call ran past ``trainer.call_timeout_s`` (:func:`timed_out`).
         UserCodeError: an exception raised in the user's own code on the driver (a driver plugin), as one line
             and the user's frames (:meth:`~hybridflow.errors.UserCodeError.wrap`); hybridflow's own errors and
             the workers' (``WorkerError``) are raised as they are.
@@ -161,6 +168,9 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     except KeyboardInterrupt:
         latest = CheckpointManager(config.trainer.default_local_dir).latest()
         raise TrainingInterrupted(tracker.last_step, total, latest) from None
+    except CallTimeoutError as exc:  # a worker-group call did not finish within trainer.call_timeout_s
+        latest = CheckpointManager(config.trainer.default_local_dir).latest()
+        raise timed_out(exc, tracker.last_step, total, latest) from exc
     except UserError:
         raise
     except Exception as exc:  # raised in the user's own code on the driver (a driver plugin, a hook it calls)?
@@ -178,6 +188,13 @@ def _train(config: Any, groups: dict[str, Any], train_batches: Callable[[int], I
     logger.info("%s", checkpoint_summary(config.trainer.save_freq, tracker.last_step,
                                          CheckpointManager(config.trainer.default_local_dir).latest()))
     return result
+
+
+def timed_out(exc: CallTimeoutError, step: int, total: int, latest: Optional[str]) -> TrainingTimedOut:
+    """The run's error for a worker-group call that did not finish in time: ``exc``'s line (group, method, ranks
+    that did not answer, the limit) naming the key that sets the limit, the last complete step and the latest
+    complete checkpoint."""
+    return TrainingTimedOut(f"{exc} (trainer.call_timeout_s)", step, total, latest)
 
 
 def checkpoint_summary(save_freq: int, last_step: int, latest: Optional[str]) -> str:

@@ -37,12 +37,13 @@ class RewardScorer:
 
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``token_level_scores`` (B, R) fp32 (combined), ``rm_scores`` (B, R) (the model's part) and
-        ``reward_error`` (B,) bool (rule failures scored with ``reward_model.error_score``)."""
+        ``reward_error`` (B,) bool (rule failures scored with ``reward_model.error_score``) and ``reward_timeout``
+        (B,) bool (those of them that timed out)."""
         rm_scores = self.model.compute_rm_score(data).batch["rm_scores"]
         if self.combine == "model":
             errors = torch.zeros(len(data), dtype=torch.bool)
             return DataProto.from_dict(tensors={"token_level_scores": rm_scores, "rm_scores": rm_scores,
-                                                "reward_error": errors})
+                                                "reward_error": errors, "reward_timeout": errors.clone()})
         out = self.rule.compute_rm_score(data)
         out.batch["token_level_scores"] = out.batch["token_level_scores"] + rm_scores
         out.batch["rm_scores"] = rm_scores

@@ -7,14 +7,14 @@ from contextlib import contextmanager
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 
 from hybridflow.controller import (ColocatedWorkerGroup, RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager,
                                    create_groups)
 from hybridflow.config.layouts import log_layouts
-from hybridflow.controller.futures import get_outputs
+from hybridflow.controller.futures import CallTimeoutError, get_outputs
 from hybridflow.controller.worker import is_loopback
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
@@ -333,10 +333,12 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Wo
              RayClassWithInitArgs(spec.worker_class(), *spec.constructor_args(config, total_steps)), role)
             for role, spec in roles.items()], env=env, colocate=colocate_roles(config, roles, used))
         groups = dict(zip(roles, created))
+        for group in created:  # every wait on a group's call is bounded by trainer.call_timeout_s (None: not)
+            group.call_timeout_s = config.trainer.call_timeout_s
         _log_processes(groups)
         startup.mark("worker processes")
         pending = {role: group.execute_all_async("init_model") for role, group in groups.items()}
-        _wait_until_up(groups, pending, start)
+        _wait_until_up(groups, pending, start, config.trainer.call_timeout_s)
         startup.mark("models")
         yield groups
     finally:
@@ -380,22 +382,30 @@ def _log_processes(groups: dict[str, WorkerGroup]) -> None:
             logger.info("colocated: %s in %d processes (one per rank)", "+".join(hosted), group.world_size)
 
 
-def _wait_until_up(groups: dict[str, WorkerGroup], pending: dict[str, list], start: float) -> None:
+def _wait_until_up(groups: dict[str, WorkerGroup], pending: dict[str, list], start: float,
+                   timeout_s: Optional[float] = None) -> None:
     """Wait for every group's ``init_model`` refs (``pending``: role -> refs, one per rank), reporting each group
     as it comes up (a progress bar on a terminal, a log line each, with the seconds since ``start``, a
-    ``time.monotonic()`` taken before the groups were spawned).
+    ``time.monotonic()`` taken before the groups were spawned), at most ``timeout_s`` seconds from now (None: no
+    limit).
 
     Raises:
         WorkerError: a rank's ``init_model`` raised or its actor died (names the role and rank), as soon as it
             happens, even while other groups still initialize.
+        CallTimeoutError: ranks had not finished ``init_model`` after ``timeout_s`` seconds (names them per group).
     """
     import ray
 
     left = {role: set(refs) for role, refs in pending.items()}
     up: list[str] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with Progress("worker groups up", len(pending), "groups", leave=False) as progress:
         while left:
-            ready, _ = ray.wait([ref for refs in left.values() for ref in refs], num_returns=1)
+            wait = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _ = ray.wait([ref for refs in left.values() for ref in refs], num_returns=1, timeout=wait)
+            if not ready:
+                raise CallTimeoutError([(groups[role].name, "init_model", sorted(pending[role].index(r) for r in refs))
+                                        for role, refs in left.items() if refs], timeout_s)
             role = next(r for r, refs in left.items() if ready[0] in refs)
             left[role].discard(ready[0])
             if left[role]:

@@ -86,8 +86,10 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
         metrics.update(_stats("critic/values", b["values"][mask]))
     metrics.update(_stats("response_length", maskf.sum(-1)))
     metrics.update(_stats("prompt_length", b["attention_mask"][:, : -mask.shape[1]].float().sum(-1)))
-    if "reward_error" in b:
+    if "reward_error" in b:  # rows scored reward_model.error_score (raised or timed out)
         metrics["reward/errors"] = float(b["reward_error"].sum())
+    if "reward_timeout" in b:  # of those, the rows whose call ran past reward_model.timeout_s
+        metrics["reward/timeouts"] = float(b["reward_timeout"].sum())
     # responses cut by the length limit: the rollout's flag (eos-aware), else those that filled every slot
     truncated = b["truncated"] if "truncated" in b else maskf.sum(-1) >= mask.shape[1]
     metrics["response_length/clip_ratio"] = truncated.float().mean().item()

@@ -90,6 +90,9 @@ def make_rollout_config(rollout: RolloutConfig, max_response_length: int, lora_r
         fast_decode=rollout.fast_decode,
         tensor_model_parallel_size=rollout.tensor_model_parallel_size,
         weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
+        gpu_memory_utilization=rollout.gpu_memory_utilization,  # vllm engine
+        enforce_eager=rollout.enforce_eager,
+        kv_cache_memory_bytes=rollout.kv_cache_memory_bytes,
         lora_rank=lora_rank, lora_alpha=lora_alpha,  # LoRA adapters for a backend with its own engine (vllm)
     )
 

@@ -46,7 +46,8 @@ class RuleRewardWorker(Worker):
     ``cost_model.rule`` (:mod:`hybridflow.rewards.cost`) for Safe-RLHF.
 
     Args:
-        config: the ``reward_model`` section (``compute_score``, ``error_score``), a schema dataclass object.
+        config: the ``reward_model`` section (``compute_score``, ``error_score``, ``timeout_s``), a schema dataclass
+            object.
         inputs: the actor's tokenizer and the rule cost (``cost_model.rule``).
 
     Built by :func:`hybridflow.trainer.worker_inputs.rule_reward_args`.
@@ -58,7 +59,7 @@ class RuleRewardWorker(Worker):
 
     def __init__(self, config: RewardConfig, inputs: RuleRewardInputs) -> None:
         super().__init__()
-        self.config = expect_section(config, "reward_model", ("compute_score", "error_score"))
+        self.config = expect_section(config, "reward_model", ("compute_score", "error_score", "timeout_s"))
         self.inputs = expect(inputs, RuleRewardInputs, "RuleRewardWorker: inputs")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -73,19 +74,24 @@ class RuleRewardWorker(Worker):
     @report_time
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``token_level_scores`` (B, R) fp32 from ``responses``/``response_mask`` and the non-tensor columns
-        ``data_source``, ``ground_truth`` (and ``extra_info`` if present), and ``reward_error`` (B,) bool.
+        ``data_source``, ``ground_truth`` (and ``extra_info`` if present), ``reward_error`` (B,) bool and
+        ``reward_timeout`` (B,) bool.
 
-        A scoring function that raises stops the run with an error naming the sample, unless
-        ``reward_model.error_score`` is set: then that score is used and ``reward_error`` marks the sample.
+        A scoring function that raises, or whose call does not return within ``reward_model.timeout_s`` seconds
+        (abandoned in its thread: :func:`hybridflow.rewards.batch.call_bounded`), stops the run with an error naming
+        the sample, unless ``reward_model.error_score`` is set: then that score is used, ``reward_error`` marks the
+        sample and, for a call that timed out, ``reward_timeout`` too (one warning names it).
 
         With ``meta_info["extract_answers"]`` (validation's ``maj@n``) also the non-tensor column ``answer`` (B,):
         each response's final answer per :func:`hybridflow.rewards.extract_answer`, None where there is none."""
         texts = decode_responses(self.tokenizer, data)
-        scores, errors = score_batch(self.tokenizer, data, texts=texts, error_score=self.config.error_score,
-                                     return_errors=True, compute_score=self.compute_score)
+        scores, errors, timeouts = score_batch(self.tokenizer, data, texts=texts, error_score=self.config.error_score,
+                                               return_errors=True, compute_score=self.compute_score,
+                                               timeout_s=self.config.timeout_s)
         mask = data.batch["response_mask"]
         out = DataProto.from_dict(tensors={"token_level_scores": place_scores(torch.tensor(scores), mask),
-                                           "reward_error": torch.tensor(errors, dtype=torch.bool)})
+                                           "reward_error": torch.tensor(errors, dtype=torch.bool),
+                                           "reward_timeout": torch.tensor(timeouts, dtype=torch.bool)})
         if data.meta_info.get("extract_answers"):
             sources = data.non_tensor_batch["data_source"]
             out.non_tensor_batch["answer"] = np.array([extract_answer(src, text) for src, text in zip(sources, texts)],

@@ -38,9 +38,10 @@ def test_error_names_the_sample():
 
 def test_fallback_score_is_used_and_flagged():
     data, texts = _batch()
-    scores, errors = score_batch(None, data, texts, error_score=-1.0, return_errors=True)
+    scores, errors, timeouts = score_batch(None, data, texts, error_score=-1.0, return_errors=True)
     assert scores == [1.0, -1.0, 1.0]
     assert errors == [False, True, False]
+    assert timeouts == [False, False, False]  # raised, not timed out
 
 
 def test_unknown_data_source_is_never_scored_by_the_fallback():
