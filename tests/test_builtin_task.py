@@ -97,7 +97,8 @@ def test_bad_arguments():
 def test_resolve_model_path(tmp_path):
     assert resolve_model_path("builtin:tiny-arith") == BUILTIN_MODELS["tiny-arith"]
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
-    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert resolve_model_path("no/such/local/model") == "no/such/local/model"  # a path, not a hub id: unchanged
+    # (an org/name hub id resolves to its snapshot: tests/models/test_hub_ids.py)
     with pytest.raises(ValueError, match="builtin:tiny-arith"):
         resolve_model_path("builtin:nope")
 

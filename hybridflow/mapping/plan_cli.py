@@ -43,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--algorithm", choices=tuple(ALGORITHMS), default="ppo")
     parser.add_argument("--actor", required=True, metavar="MODEL",
                         help="preset (7B, 13B, 34B, 70B, tiny-arith) or a local HF model directory")
-    for role in ("critic", "reference", "reward", "cost", "cost-critic"):
-        extra = "; 'rule' for a rule-based reward (no model)" if role == "reward" else ""
+    for role in ("critic", "reference", "cost", "cost-critic"):
         parser.add_argument(f"--{role}", metavar="MODEL", default=None,
-                            help=f"model of the {role} (default: the actor's){extra}")
+                            help=f"model of the {role} (default: the actor's)")
+    parser.add_argument("--reward", metavar="MODEL", default="rule",
+                        help="model of the reward (a scorer with a trained score head: a preset or a local HF "
+                             "directory), or 'rule' (default): a rule-based reward, no model on the devices")
     workload = parser.add_argument_group("workload")
     workload.add_argument("--batch", type=int, default=1024, help="prompts per iteration")
     workload.add_argument("--n", type=int, default=1, help="responses per prompt")

@@ -21,7 +21,7 @@ CPU_ARGS = ["plan", "--cluster", "1x4:cpu", "--actor", "tiny-arith", "--reward",
 
 
 def test_json_output(capsys):
-    assert main(["plan", "--cluster", "2x8:A100-80G", "--actor", "7B", "--top-k", "3", "--json"]) == 0
+    assert main(["plan", "--cluster", "2x8:A100-80G", "--actor", "7B", "--reward", "7B", "--top-k", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["devices"] == 16 and out["models"]["actor"] == "7B"
     best = out["best"]["seconds"]
@@ -125,8 +125,12 @@ def test_grpo_snippet_maps_every_config_role_and_sets_the_estimator(tmp_path, ca
     assert cfg.actor_rollout_ref.rollout.n == 8
     assert set(cfg.resource_pool.mapping) == {"actor", "critic", "reward"}
     assert set(cfg.resource_pool.mapping.values()) <= set(cfg.resource_pool.pools)
-    # a reward model of a preset shape: its pool is mapped to the reward_model worker, whose path the user gives
+    # no --reward is the rule reward: the same snippet (never the actor's causal LM planned as a reward model)
+    rule = snippet.read_text()
     assert main([*args, "--emit-config", str(snippet)]) == 0
+    assert snippet.read_text() == rule and "reward_model" not in rule
+    # a reward model of a preset shape: its pool is mapped to the reward_model worker, whose path the user gives
+    assert main([*args, "--reward", "7B", "--emit-config", str(snippet)]) == 0
     assert "set reward_model.model.path" in snippet.read_text()
     snip = yaml.safe_load(snippet.read_text())
     assert snip["reward_model"] == {"enable": True}

@@ -24,11 +24,11 @@ def test_the_timeout_names_every_call_still_waited_on_and_survives_pickling():
 
 def test_the_cli_line_names_group_method_ranks_and_the_latest_checkpoint():
     err = timed_out(CallTimeoutError([("actor", "generate_sequences", [1])], 600.0), 7, 20,
-                    "/runs/x/global_step_5")
+                    "runs/x/global_step_5")
     assert isinstance(err, TrainingInterrupted)  # the Ctrl-C path's cleanup and report
     assert _interrupted_line(err, ARGS) == (
         "worker group 'actor': ranks [1] did not answer generate_sequences() within 600 s (trainer.call_timeout_s); "
-        "stopped after step 7/20; latest complete checkpoint: /runs/x/global_step_5; resume with: hybridflow train "
+        "stopped after step 7/20; latest complete checkpoint: runs/x/global_step_5; resume with: hybridflow train "
         "recipe.yaml trainer.call_timeout_s=600")
     assert EXIT_TIMED_OUT == 124
 
