@@ -107,6 +107,8 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
     while pending:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready and deadline is not None and time.monotonic() < deadline:
+            continue  # ray.wait can return a little before its timeout: the limit is waited in full
         if not ready:
             raise _timeout_error(calls, set(pending), timeout_s)
         if pending:  # the others already done are fetched in the same round

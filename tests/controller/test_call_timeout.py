@@ -21,11 +21,15 @@ HANG_S = 60.0  # the stuck rank's sleep; the group is killed long before
 
 
 class StuckRankWorker(Worker):
-    """Rank 1 sleeps HANG_S in every call; rank 0 answers at once."""
+    """Rank 1 sleeps HANG_S in every call but ready(); rank 0 answers at once."""
 
     def _maybe_hang(self):
         if self.rank == 1:
             time.sleep(HANG_S)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ready(self):
+        return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self):
@@ -41,6 +45,7 @@ class StuckRankWorker(Worker):
 @pytest.fixture(scope="module")
 def stuck(pool2):
     group = RayWorkerGroup(pool2, RayClassWithInitArgs(StuckRankWorker), name_prefix="stuck")
+    assert group.ready() == [0, 1]  # both ranks up (their processes imported torch) before the limit applies
     group.call_timeout_s = LIMIT_S
     yield group
     group.shutdown()  # kills the sleeping rank
