@@ -356,3 +356,28 @@ def _names(kind: str, **where: Any) -> list[str]:
     from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
 
     return {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind].names(**where)
+
+
+def lora_rollout_problems(get: Callable[[str], Any]) -> list[str]:
+    """With the actor's ``lora_rank`` > 0: what the chosen rollout backend declares it takes (a colocated backend
+    generates from a merged copy per rank, adapters with ``lora_sync=adapter``, a largest adapter rank). The checks of
+    the ``lora_*`` keys themselves are :func:`hybridflow.models.lora.lora_problems`."""
+    model, rank = "actor_rollout_ref.model", get("actor_rollout_ref.model.lora_rank")
+    if (rank or 0) <= 0:
+        return []
+    problems = []
+    rollout, sync = get("actor_rollout_ref.rollout.name"), get("actor_rollout_ref.rollout.lora_sync")
+    colocated = declared("rollout", rollout, "uses_hybrid_engine", False)  # with LoRA: its own merged copy per rank
+    if colocated and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
+        problems.append(f"{model}.lora_rank > 0 with the hf rollout generates from a full merged copy per rank: "
+                        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+    takes_adapters = declared("rollout", rollout, "lora_adapter_sync", False)  # the backend loads peft adapters
+    if sync == "adapter" and not takes_adapters:
+        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout that takes LoRA adapters "
+                        f"({' | '.join(_names('rollout', lora_adapter_sync=True))}), got rollout.name={rollout}: "
+                        "use lora_sync=merged")
+    max_rank = declared("rollout", rollout, "max_lora_rank")
+    if sync == "adapter" and max_rank is not None and rank > max_rank:
+        problems.append(f"{model}.lora_rank={rank} with lora_sync=adapter and the {rollout} rollout: it takes ranks "
+                        f"up to {max_rank}; use lora_sync=merged or a smaller rank")
+    return problems

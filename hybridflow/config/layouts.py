@@ -113,7 +113,7 @@ def run_layouts(config: DictConfig) -> dict[str, dict[str, tuple[int, int, int]]
     def get(path: str) -> Any:
         return _section(config, path)
 
-    from hybridflow.config.megatron_checks import engine_layout
+    from hybridflow.training import engine_layout
 
     actor = _pool_ranks(get, "actor")
     tp, tp_g = (get(k) for k in TP_KEYS.values())

@@ -38,6 +38,7 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       score_model_problems, strategy_problems, trained_model_problems)
 from hybridflow.config.layouts import apply_layouts
 from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.checks import lora_rollout_problems  # the rollout's side of lora_problems
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
 from hybridflow.utils.provenance import RUN_INFO_KEY
@@ -434,7 +435,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
                lambda: logger_problems(get("trainer.logger")), lambda: rollout_package_problems(get),
                lambda: driver_problems(get), lambda: dapo_problems(get), lambda: score_model_problems(get),
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
-               lambda: parallel_layout_problems(get), lambda: lora_problems(get), lambda: multi_turn_problems(get),
+               lambda: parallel_layout_problems(get), lambda: lora_problems(get) + lora_rollout_problems(get),
+               lambda: multi_turn_problems(get),
                lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get)]
     problems: list[str] = []
     for check in checks:

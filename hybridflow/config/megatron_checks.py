@@ -1,12 +1,12 @@
-"""Load-time checks of the ``*.megatron`` sections (strategy=megatron) and the per-role engine layout the workers
-build from them (:func:`engine_layout`)."""
+"""Load-time checks of the ``*.megatron`` sections (strategy=megatron); the per-role engine layout the workers
+build from them is :func:`hybridflow.training.engine_layout`."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable
 
-__all__ = ["MEGATRON_SECTIONS", "engine_layout", "megatron_problems"]
+__all__ = ["MEGATRON_SECTIONS", "megatron_problems"]
 
 #: megatron section -> (its strategy key, the layouts role whose pool it runs on)
 MEGATRON_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strategy", "actor"),
@@ -57,14 +57,3 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
             problems.append("actor_rollout_ref.actor.tensor_model_parallel_size is the fsdp2 tp; with "
                             f"strategy=megatron set {actor}.tensor_model_parallel_size instead")
     return problems
-
-
-def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> Any:
-    """The :class:`hybridflow.training.ParallelLayout` a worker builds its engine on: ``section.megatron``'s
-    (tp, pp) with strategy=megatron, else ``(tp=fsdp_tp, pp=1)``; dp = ``world / (tp * pp)``."""
-    from hybridflow.training import ParallelLayout
-
-    tp, pp = fsdp_tp, 1
-    if strategy == "megatron":
-        tp, pp = section.megatron.tensor_model_parallel_size, section.megatron.pipeline_model_parallel_size
-    return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)

@@ -217,7 +217,10 @@ def lora_problems(get: Callable[[str], Any]) -> list[str]:
         problems.append(f"{model}.lora_rank must be >= 0 (0: full fine-tuning), got {rank}")
     if rank <= 0:
         return problems
-    problems += _key_problems(get, model) + _active_lora_problems(get, model, sync)
+    problems += _key_problems(get, model)  # what the rollout backend takes: config.checks.lora_rollout_problems
+    if get("actor_rollout_ref.actor.tensor_model_parallel_size") > 1:
+        problems.append(f"{model}.lora_rank > 0 with actor_rollout_ref.actor.tensor_model_parallel_size > 1 is not "
+                        "implemented (tensor-parallel plans do not cover peft's LoRA layers): use tp 1")
     return problems
 
 
@@ -240,32 +243,6 @@ def _key_problems(get: Callable[[str], Any], model: str) -> list[str]:
     exclude = get(f"{model}.exclude_modules")
     if exclude is not None and not (isinstance(exclude, Sequence) and all(isinstance(e, str) for e in exclude)):
         problems.append(f"{model}.exclude_modules must be null or a list of module names, got {exclude!r}")
-    return problems
-
-
-def _active_lora_problems(get: Callable[[str], Any], model: str, sync: Optional[str]) -> list[str]:
-    """The actor's checks that apply only with its ``lora_rank`` > 0 (layouts, rollout, sync)."""
-    problems = []
-    rank = get(f"{model}.lora_rank")
-    if get("actor_rollout_ref.actor.tensor_model_parallel_size") > 1:
-        problems.append(f"{model}.lora_rank > 0 with actor_rollout_ref.actor.tensor_model_parallel_size > 1 is not "
-                        "implemented (tensor-parallel plans do not cover peft's LoRA layers): use tp 1")
-    rollout = get("actor_rollout_ref.rollout.name")
-    from hybridflow.config.checks import _names, declared  # here: the config package imports this module
-
-    colocated = declared("rollout", rollout, "uses_hybrid_engine", False)  # with LoRA: its own merged copy per rank
-    if colocated and get("actor_rollout_ref.rollout.tensor_model_parallel_size") > 1:
-        problems.append(f"{model}.lora_rank > 0 with the hf rollout generates from a full merged copy per rank: "
-                        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1")
-    takes_adapters = declared("rollout", rollout, "lora_adapter_sync", False)  # the backend loads peft adapters
-    if sync == "adapter" and not takes_adapters:
-        problems.append(f"actor_rollout_ref.rollout.lora_sync=adapter needs a rollout that takes LoRA adapters "
-                        f"({' | '.join(_names('rollout', lora_adapter_sync=True))}), got rollout.name={rollout}: "
-                        "use lora_sync=merged")
-    max_rank = declared("rollout", rollout, "max_lora_rank")
-    if sync == "adapter" and max_rank is not None and rank > max_rank:
-        problems.append(f"{model}.lora_rank={rank} with lora_sync=adapter and the {rollout} rollout: it takes ranks "
-                        f"up to {max_rank}; use lora_sync=merged or a smaller rank")
     return problems
 
 

@@ -18,9 +18,8 @@ from hybridflow.trainer.loop import TrainLoop
 from hybridflow.trainer.run_lock import run_dir_lock
 from hybridflow.trainer.setup import build_data, init_ray, total_training_steps, worker_groups
 from hybridflow.utils import startup
-from hybridflow.utils.progress import RunProgress
 from hybridflow.utils.provenance import make_run_info
-from hybridflow.utils.tracking import Tracking, set_metrics_aside, trim_metrics
+from hybridflow.utils.tracking import RunProgress, Tracking, set_metrics_aside, trim_metrics
 
 logger = logging.getLogger(__name__)
 

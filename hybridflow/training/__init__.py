@@ -11,10 +11,10 @@ by a role's ``strategy``.
 """
 
 from hybridflow.training.base import (ENGINES, KINDS, EngineSpec, ParallelLayout, TrainEngine, WeightSpec,
-                                      get_engine_class, register_engine, registered_engines)
+                                      engine_layout, get_engine_class, register_engine, registered_engines)
 from hybridflow.training.fsdp2 import FSDP2Engine
 from hybridflow.training.megatron import MegatronEngine
 from hybridflow.training.update import MicroLoss, update_mini_batches
 
 __all__ = ["ENGINES", "KINDS", "EngineSpec", "FSDP2Engine", "MegatronEngine", "MicroLoss", "ParallelLayout", "TrainEngine",
-           "WeightSpec", "get_engine_class", "register_engine", "registered_engines", "update_mini_batches"]
+           "WeightSpec", "engine_layout", "get_engine_class", "register_engine", "registered_engines", "update_mini_batches"]

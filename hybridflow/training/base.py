@@ -46,8 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from hybridflow.algorithms.sampling import SamplingSpec
     from hybridflow.protocol import DataProto
 
-__all__ = ["ENGINES", "KINDS", "EngineSpec", "ParallelLayout", "TrainEngine", "WeightSpec", "get_engine_class",
-           "register_engine", "registered_engines"]
+__all__ = ["ENGINES", "KINDS", "EngineSpec", "ParallelLayout", "TrainEngine", "WeightSpec", "engine_layout",
+           "get_engine_class", "register_engine", "registered_engines"]
 
 KINDS = ("policy", "value", "score")  # causal LM (logprobs, entropy) | value model (per token) | scorer (per token)
 
@@ -321,3 +321,21 @@ def get_engine_class(name: str) -> type[TrainEngine]:
 def registered_engines() -> list[str]:
     """Sorted names of the registered engines."""
     return ENGINES.names()
+
+
+def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> ParallelLayout:
+    """The layout the engine ``strategy`` of a role runs on over the role's ``world`` ranks.
+
+    An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
+    of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``); any other
+    runs ``(tp=fsdp_tp, pp=1)``. dp = ``world / (tp * pp)`` (the config checks at load that it divides).
+
+    Raises:
+        hybridflow.registry.UnknownNameError: ``strategy`` is not a registered engine.
+    """
+    key = ENGINES.meta(strategy, "layout_section")
+    tp, pp = fsdp_tp, 1
+    if key is not None:
+        sub = getattr(section, key)
+        tp, pp = sub.tensor_model_parallel_size, sub.pipeline_model_parallel_size
+    return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)

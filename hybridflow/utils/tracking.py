@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hybridflow.utils.progress import RUN_VAL_METRIC, write_line
+from hybridflow.utils.progress import RUN_VAL_METRIC, Progress, write_line
 
 logger = logging.getLogger(__name__)
 
@@ -398,3 +398,39 @@ class SwanlabBackend:
 
 # tracker backends that are a class with log(metrics, step) / finish(), built as cls(project, experiment, dir, cfg)
 REMOTE_BACKENDS = {"wandb": WandbBackend, "mlflow": MlflowBackend, "swanlab": SwanlabBackend}
+
+
+class RunProgress:
+    """The training run's progress: ``step N/total`` with ETA, the last reward and ``val/score``; it sits between
+    the driver and the run's :class:`Tracking` (same ``log``/``finish`` contract) so
+    every logged step advances it.
+
+    Args:
+        tracker: the run's tracker.
+        total: the run's total number of steps.
+        start: the step the run starts from (a resumed run's checkpoint step).
+
+    ``last_step`` is the last step logged (``start`` before any), i.e. the last complete step.
+    """
+
+    def __init__(self, tracker: Any, total: int, start: int = 0) -> None:
+        self._reward_keys = (METRIC_REWARD, METRIC_SCORE)
+        self.tracker, self.last_step = tracker, start
+        self._progress = Progress("train", total, "steps", initial=start)
+        self._shown: dict[str, float] = {}
+
+    def log(self, data: Mapping[str, Any], step: int) -> None:
+        """Forward to the tracker, then advance the bar to ``step`` (step 0: the validation before training)."""
+        self.tracker.log(data, step)
+        reward = data.get(self._reward_keys[0], data.get(self._reward_keys[1]))
+        if reward is not None:
+            self._shown["reward"] = float(reward)
+        if RUN_VAL_METRIC in data:
+            self._shown[RUN_VAL_METRIC] = float(data[RUN_VAL_METRIC])
+        self.last_step = max(self.last_step, step)
+        self._progress.advance_to(self.last_step, self._shown)
+
+    def finish(self) -> None:
+        """Close the bar and the tracker."""
+        self._progress.close()
+        self.tracker.finish()

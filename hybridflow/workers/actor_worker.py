@@ -32,7 +32,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -47,17 +47,14 @@ from hybridflow.models import lora_sync
 from hybridflow.protocol import DataProto
 from hybridflow.workers.timing import report_time
 from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engine
-from hybridflow.config.megatron_checks import engine_layout
-from hybridflow.training import EngineSpec, get_engine_class
+from hybridflow.training import EngineSpec, engine_layout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.utils.allocator import keep_freed_host_memory
 from hybridflow.workers import columns
-from hybridflow.workers.inputs import LOG_PROBS_IN_GENERATE, REF_IN_UPDATE, ActorInputs, expect, expect_section
+from hybridflow.workers.inputs import (LOG_PROBS_IN_GENERATE, REF_IN_UPDATE, ActorInputs, ConfigSection, expect,
+                                       expect_section)
 from hybridflow.workers.engine_model import compute_dtypes
 from hybridflow.workers.ppo_actor import PPOActor
-
-if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import ActorRolloutRefConfig, RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +71,7 @@ def setup_worker_process() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def make_rollout_config(rollout: RolloutConfig, max_response_length: int, lora_rank: int = 0,
+def make_rollout_config(rollout: ConfigSection, max_response_length: int, lora_rank: int = 0,
                         lora_alpha: float = 16.0) -> SimpleNamespace:
     """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the
     ``actor_rollout_ref.rollout`` section, ``data.max_response_length`` and the LoRA adapter payload's rank and alpha
@@ -120,7 +117,7 @@ class ActorRolloutRefWorker(Worker):
         ValueError: unknown ``role``.
     """
 
-    def __init__(self, config: ActorRolloutRefConfig, inputs: ActorInputs, role: str = "actor_rollout_ref") -> None:
+    def __init__(self, config: ConfigSection, inputs: ActorInputs, role: str = "actor_rollout_ref") -> None:
         super().__init__()
         if role not in ROLES:
             raise ValueError(f"unknown actor role {role!r}; expected one of {ROLES}")

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.distributed import init_distributed
 from hybridflow.models import lora as lora_lib
 from hybridflow.protocol import DataProto
-from hybridflow.config.megatron_checks import engine_layout
-from hybridflow.training import EngineSpec, get_engine_class
+from hybridflow.training import EngineSpec, engine_layout, get_engine_class
 from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
 from hybridflow.workers.actor_worker import setup_worker_process
 from hybridflow.workers.engine_model import compute_dtypes
-from hybridflow.workers.inputs import CriticInputs, expect, expect_section
+from hybridflow.workers.inputs import ConfigSection, CriticInputs, expect, expect_section
 from hybridflow.workers.ppo_critic import PPOCritic
-
-if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import CriticConfig
 
 
 class CriticWorker(Worker):
@@ -40,7 +34,7 @@ class CriticWorker(Worker):
             :class:`~hybridflow.workers.inputs.CriticInputs`.
     """
 
-    def __init__(self, config: CriticConfig, inputs: CriticInputs) -> None:
+    def __init__(self, config: ConfigSection, inputs: CriticInputs) -> None:
         super().__init__()
         self.config = expect_section(config, "critic", ("model", "optim", "fsdp_config", "strategy"))
         self.inputs = expect(inputs, CriticInputs, "CriticWorker: inputs")

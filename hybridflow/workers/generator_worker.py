@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,11 +34,8 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout import get_rollout_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.workers.actor_worker import make_rollout_config, setup_worker_process, with_rank_seed
-from hybridflow.workers.inputs import GeneratorInputs, expect, expect_section
+from hybridflow.workers.inputs import ConfigSection, GeneratorInputs, expect, expect_section
 from hybridflow.workers.timing import report_time
-
-if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import ActorRolloutRefConfig, AsyncTrainingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +59,7 @@ class GeneratorWorker(Worker):
     # config allows (async_training.queue_size <= 32) plus the receive and a validation call
     ray_actor_options = {"max_concurrency": 34}
 
-    def __init__(self, config: ActorRolloutRefConfig, async_training: AsyncTrainingConfig,
+    def __init__(self, config: ConfigSection, async_training: ConfigSection,
                  inputs: GeneratorInputs) -> None:
         super().__init__()
         self.config = expect_section(config, "actor_rollout_ref", ("model", "rollout"))

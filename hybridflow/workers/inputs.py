@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
-if TYPE_CHECKING:  # annotations only: the config package is a higher layer than the workers
-    from hybridflow.config.schema import ModelConfig
+#: a section of the run config a worker is built from: a dataclass object of the config schema (e.g. the ``critic``
+#: section, a ``CriticConfig``), checked by :func:`expect_section`. The schema classes live in the config package, a
+#: higher layer the workers never import, so annotations name the section in words with this alias.
+ConfigSection = Any
 
 
 #: ``update_actor``'s batch ``meta_info`` flag (set by the driver): compute the reference logprobs the KL loss reads
@@ -75,7 +77,7 @@ class CriticInputs:
     total_training_steps: int
     nonfinite_grad: str
     rollout_n: int
-    model: "ModelConfig"
+    model: ConfigSection  # the backbone's ``model`` section (ModelConfig)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,6 @@ how outcome rewards enter GAE and the other estimators.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -19,10 +17,7 @@ from hybridflow.workers.timing import report_time
 from hybridflow.rewards import extract_answer, load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rewards.cost import get_cost_fn
-from hybridflow.workers.inputs import RuleRewardInputs, expect, expect_section
-
-if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import RewardConfig
+from hybridflow.workers.inputs import ConfigSection, RuleRewardInputs, expect, expect_section
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -57,7 +52,7 @@ class RuleRewardWorker(Worker):
             :class:`~hybridflow.workers.inputs.RuleRewardInputs`.
     """
 
-    def __init__(self, config: RewardConfig, inputs: RuleRewardInputs) -> None:
+    def __init__(self, config: ConfigSection, inputs: RuleRewardInputs) -> None:
         super().__init__()
         self.config = expect_section(config, "reward_model", ("compute_score", "error_score", "timeout_s"))
         self.inputs = expect(inputs, RuleRewardInputs, "RuleRewardWorker: inputs")

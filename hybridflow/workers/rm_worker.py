@@ -15,8 +15,6 @@ Shapes: (B, L) = sequences, prompt + response tokens; (B, R) = sequences, respon
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
-
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
@@ -25,12 +23,9 @@ from hybridflow.models.hf import load_score_model, load_tokenizer  # noqa: F401 
 from hybridflow.protocol import DataProto
 from hybridflow.training import EngineSpec, ParallelLayout, get_engine_class
 from hybridflow.workers.actor_worker import setup_worker_process
-from hybridflow.workers.inputs import ScoreModelInputs, expect, expect_section
+from hybridflow.workers.inputs import ConfigSection, ScoreModelInputs, expect, expect_section
 from hybridflow.workers.reward_worker import place_scores
 from hybridflow.workers.timing import report_time
-
-if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import CostConfig, RewardConfig
 
 ROLES = ("reward_model", "cost_model")
 MESH = "score_model"
@@ -64,7 +59,7 @@ class RewardModelWorker(Worker):
             :class:`~hybridflow.workers.inputs.ScoreModelInputs`.
     """
 
-    def __init__(self, config: Union[RewardConfig, CostConfig], inputs: ScoreModelInputs,
+    def __init__(self, config: ConfigSection, inputs: ScoreModelInputs,
                  role: str = "reward_model") -> None:
         super().__init__()
         if role not in ROLES:

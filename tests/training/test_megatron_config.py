@@ -8,8 +8,7 @@ from omegaconf import OmegaConf
 
 from hybridflow.config import load_config
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.megatron_checks import engine_layout
-from hybridflow.training import ParallelLayout, get_engine_class
+from hybridflow.training import ParallelLayout, engine_layout, get_engine_class
 
 RECIPE = "recipes/megatron_quickstart.yaml"
 

@@ -5,7 +5,8 @@ import logging
 import sys
 
 
-from hybridflow.utils.progress import Progress, RunProgress, write_line
+from hybridflow.utils.progress import Progress, write_line
+from hybridflow.utils.tracking import RunProgress
 
 
 class Terminal(io.StringIO):
