@@ -133,7 +133,8 @@ def name_decisions(source: str, names: set[str]) -> list[tuple[int, str]]:
 def test_the_checker_finds_the_forms_it_forbids():
     source = ('a = x == "gae"\nb = "hf" != y\nc = z in ("vllm", "other")\nd = {"aipo": 1}\ne = f("hf")\n'
               'T = ("hf", "vllm")\nU = {"ppo": "gae", "x": "grpo"}\nV = ["hf", "other"]\n'
-              '@register_driver("ppo", planned_as=("ppo", "grpo"))\nclass P: pass\nR.register("hf", like=["hf", "gae"])\n'
+              '@register_driver("ppo", planned_as=("ppo", "grpo"))\nclass P: pass\n'
+              'R.register("hf", like=["hf", "gae"])\n'
               'S = ("hf", "vllm")\n@register_x(*S)\ndef g(): pass\n')
     names = {"gae", "hf", "vllm", "aipo", "ppo", "grpo"}
     assert name_decisions(source, names) == [(1, "gae"), (2, "hf"), (3, "vllm"), (6, "hf"), (6, "vllm"),

@@ -21,9 +21,9 @@ DictConfig, read by attribute) from which the loss takes its hyper-parameters;
 when it sampled each token (the behaviour policy ``mu`` of an asynchronous or mismatched
 generator); ``agg_kwargs`` (``num_tokens``, ``num_seqs``, ``loss_scale_factor``) go to
 :func:`agg_loss`. ``pg_loss`` is a differentiable scalar; the other three are detached scalar
-metrics. Add a loss with ``@register_policy_loss("name", **meta)`` (it must have a ``rollout_log_probs``
-parameter, even if it ignores it; ``meta`` declares what it reads, see
-:mod:`~hybridflow.algorithms.policy_loss_registry`) and select it with ``actor.policy_loss=name``.
+metrics. Add a loss with ``@register_policy_loss("name", **meta)`` (it must take this call: a
+``rollout_log_probs`` parameter, even if it ignores it, or ``def loss(*args, **kwargs)``; ``meta`` declares what
+it reads, see :mod:`~hybridflow.algorithms.policy_loss_registry`) and select it with ``actor.policy_loss=name``.
 ``compute_policy_loss`` keeps verl's direct signature (explicit clip ranges) and is what
 ``"vanilla"`` computes.
 

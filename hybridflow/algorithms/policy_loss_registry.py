@@ -30,31 +30,56 @@ import torch
 
 from hybridflow.registry import Registry
 
-__all__ = ["LOG_RATIO_CLAMP", "POLICY_LOSSES", "get_policy_loss_fn", "importance_weight_cap", "policy_loss_meta",
-           "register_policy_loss"]
+__all__ = ["LOG_RATIO_CLAMP", "LOSS_CALL_KEYWORDS", "LOSS_CALL_POSITIONAL", "POLICY_LOSSES", "get_policy_loss_fn",
+           "importance_weight_cap", "loss_signature_problem", "policy_loss_meta", "register_policy_loss"]
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to this before exp() so the ratio stays finite
 
 POLICY_LOSSES: Registry = Registry("policy loss")
 
 
+#: how the actor calls a policy loss: these positionally, then ``rollout_log_probs=`` and the normalisers of
+#: :func:`~hybridflow.algorithms.aggregation.agg_loss` (``hybridflow.training.micro.global_agg_kwargs``) by keyword
+LOSS_CALL_POSITIONAL = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config")
+LOSS_CALL_KEYWORDS = ("rollout_log_probs", "num_tokens", "num_seqs", "loss_scale_factor")
+
+
+def loss_signature_problem(fn: Callable) -> Optional[str]:
+    """Why the actor's call of ``fn`` would fail (None: it would not), found from the signature alone.
+
+    ``fn`` must take :data:`LOSS_CALL_POSITIONAL` positionally and :data:`LOSS_CALL_KEYWORDS` by keyword, by name or
+    through ``*args`` / ``**kwargs`` (``def my_loss(*args, **kwargs)`` is fine). One exception: a loss that spells
+    the positional parameters out by name but not ``rollout_log_probs`` (the signature before that keyword existed)
+    would hand it on to ``agg_loss`` inside its ``**agg_kwargs`` and fail in the middle of training.
+    """
+    try:
+        signature = inspect.signature(fn)
+        signature.bind(*LOSS_CALL_POSITIONAL, **dict.fromkeys(LOSS_CALL_KEYWORDS))
+    except (TypeError, ValueError) as err:
+        return f"cannot take the actor's call fn({', '.join(LOSS_CALL_POSITIONAL)}, " \
+               f"{'=..., '.join(LOSS_CALL_KEYWORDS)}=...): {err}"
+    positional = [p for p in signature.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if "rollout_log_probs" not in signature.parameters and len(positional) >= len(LOSS_CALL_POSITIONAL):
+        return "must accept the keyword rollout_log_probs=None (its **kwargs would pass it on to agg_loss)"
+    return None
+
+
 def register_policy_loss(name: str, **meta: Any) -> Callable[[Callable], Callable]:
     """Decorator registering a policy loss under ``name`` with metadata ``meta`` (see the module docstring; the
-    signature: :mod:`hybridflow.algorithms.losses`).
-
-    The actor always passes ``rollout_log_probs=`` as a keyword; a loss that only has ``**agg_kwargs``
-    would forward it to :func:`agg_loss` and fail in the middle of training, so it is refused here.
+    signature: :mod:`hybridflow.algorithms.losses`; :func:`loss_signature_problem` checks it takes the actor's call).
 
     Raises:
-        TypeError: the function has no ``rollout_log_probs`` parameter.
+        TypeError: the function cannot take the actor's call (one line saying why).
         ValueError: ``name`` is taken by a different function, or empty.
     """
     register = POLICY_LOSSES.register(name, **meta)
 
     def decorator(fn: Callable) -> Callable:
-        if "rollout_log_probs" not in inspect.signature(fn).parameters:
-            raise TypeError(f"policy loss {name!r} ({fn.__module__}.{fn.__qualname__}) must accept the keyword "
-                            "rollout_log_probs=None (see hybridflow.algorithms.losses for the common signature)")
+        problem = loss_signature_problem(fn)
+        if problem is not None:
+            raise TypeError(f"policy loss {name!r} ({fn.__module__}.{fn.__qualname__}) {problem} (see "
+                            "hybridflow.algorithms.losses for the common signature)")
         return register(fn)
 
     return decorator

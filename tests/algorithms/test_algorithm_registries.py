@@ -11,6 +11,7 @@ from hybridflow.algorithms import (
     register_adv_est,
     register_policy_loss,
 )
+from hybridflow.algorithms.policy_loss_registry import POLICY_LOSSES
 from hybridflow.algorithms.registry import Registry
 
 
@@ -107,6 +108,32 @@ def test_policy_loss_without_rollout_log_probs_is_refused():
 
     register_policy_loss("test_old_style")(fixed)  # the refused one left nothing behind
     assert get_policy_loss_fn("test_old_style") is fixed
+
+
+def test_policy_loss_with_args_and_kwargs_registers():
+    # the call the actor makes reaches it through *args / **kwargs (tests/workers/test_generic_policy_loss.py)
+    @register_policy_loss("test_star_loss")
+    def star_loss(*args, **kwargs):
+        zero = torch.zeros(())
+        return zero, zero, zero, zero
+
+    try:
+        assert get_policy_loss_fn("test_star_loss") is star_loss  # registered as written, no wrapper
+    finally:
+        POLICY_LOSSES.unregister("test_star_loss")
+
+
+def test_policy_loss_missing_a_parameter_is_refused_in_one_line():
+    def no_config(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                  rollout_log_probs=None, num_tokens=None, num_seqs=None, loss_scale_factor=None):
+        raise AssertionError("never called")
+
+    with pytest.raises(TypeError) as err:
+        register_policy_loss("test_no_config")(no_config)
+    message = str(err.value)
+    assert "\n" not in message and "'test_no_config'" in message and "cannot take the actor's call" in message
+    with pytest.raises(UnknownNameError):
+        get_policy_loss_fn("test_no_config")
 
 
 def test_algorithms_layer_does_not_import_ray():
