@@ -182,7 +182,10 @@ def _add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR",
                         help="local Hugging Face model directory, hub id (org/name) or builtin:NAME")
     parser.add_argument("data", metavar="DATA.parquet", nargs="+", help="prompts in verl's parquet schema")
-    parser.add_argument("--n", type=int, default=1, help="responses per prompt; > 1 adds a sampled mean@n")
+    parser.add_argument("--n", type=int, default=1,
+                        help="responses per prompt; > 1 adds a sampled pass: mean@n, pass@k, best@k, maj@n")
+    parser.add_argument("--pass-threshold", type=float, default=1.0, metavar="SCORE",
+                        help="with --n > 1: a response with a score >= SCORE counts as correct in pass@k")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1, help="-1 disables top-k")
@@ -225,7 +228,7 @@ def _run_eval(args: argparse.Namespace) -> int:
             max_response_length=args.max_response_length, dtype=args.dtype, device=args.device, seed=args.seed,
             output=args.output, rollout=args.rollout, compute_score=args.compute_score,
             error_score=args.error_score, plugins=args.plugins, max_samples=args.max_samples,
-            reward_timeout_s=args.reward_timeout or None,
+            reward_timeout_s=args.reward_timeout or None, pass_threshold=args.pass_threshold,
         )
     except (ValueError, *USER_ERRORS) as exc:
         print(f"error: {exc}", file=sys.stderr)

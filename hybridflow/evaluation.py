@@ -37,12 +37,13 @@ import torch
 from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
 from hybridflow.distributed import resolve_dtype
 from hybridflow.errors import EvalInterrupted
-from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
+from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer, model_positions
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import import_plugins, resolve_plugins
-from hybridflow.rewards import check_data_sources, load_compute_score
+from hybridflow.rewards import check_data_sources, extract_answer, load_compute_score
 from hybridflow.rewards.batch import decode_responses, score_batch
 from hybridflow.rollout import BaseRollout, get_rollout_class
+from hybridflow.rewards.sample_metrics import sampled_metrics
 from hybridflow.rewards.validation import mean_by_source, score_passes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ def evaluate(
     seed: int = 0, output: Optional[PathLike] = None, prompt_key: str = "prompt", trust_remote_code: bool = False,
     rollout: str = "hf", compute_score: str = "default", error_score: Optional[float] = None,
     plugins: Sequence[str] = (), max_samples: int = -1, reward_timeout_s: Optional[float] = 300.0,
+    pass_threshold: float = 1.0,
 ) -> dict:
     """Score ``model_path`` on the parquet prompts of ``data_files`` (verl schema) with the rule rewards or a user
     scoring function.
@@ -78,10 +80,9 @@ def evaluate(
         n: responses per prompt. 1: one pass at ``temperature`` (greedy at 0) -> ``mean@1``. k > 1: a greedy
             pass -> ``mean@1`` plus a sampled pass of k responses per prompt at ``temperature`` -> ``mean@k``.
         temperature, top_p, top_k: sampling settings (top_k -1 disables).
-        batch_size: prompts per generation call.
+        batch_size, max_response_length: prompts per generation call; generated tokens per response.
         max_prompt_length: prompt tokens; None means no limit. Longer prompts are handled per ``truncation``
             (``error`` | ``left`` | ``right`` | ``filter``; filtered prompts are counted in ``num_filtered``).
-        max_response_length: generated tokens per response.
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
         device: ``auto`` (cuda when available), ``cpu`` or ``cuda``.
         seed: seeds the sampled pass (every batch's ``meta_info["seed"]``, as in validation).
@@ -94,27 +95,26 @@ def evaluate(
             ``reward_model.error_score``, ``trainer.plugins`` and ``reward_model.timeout_s`` in training
             (:func:`reward_scorer`).
         max_samples: keep the first N prompt rows of ``data_files`` (-1: all), as ``data.val_max_samples``.
+        pass_threshold: ``pass@k`` counts a response as correct when its score is >= this (as ``val_kwargs``').
     Progress: a bar with ETA per pass on a terminal, plain lines otherwise (:mod:`hybridflow.utils.progress`).
 
     Returns:
         ``{"model", "data", "num_prompts", "num_filtered", "mean@1", ["mean@k"], "by_data_source":
         {source: {"num_prompts", "mean@1", ["mean@k"]}}, "settings": {...}, "seconds"}`` (JSON-serializable).
+        ``n`` >= 2 adds the sampled pass's ``pass@j``, ``best@j``, ``maj@n`` as validation logs them, overall and
+        per source (:mod:`hybridflow.rewards.sample_metrics`: Chen et al. 2021 eq. 1; maj@n where answers extract).
 
     Raises:
-        ValueError: ``n < 1``, ``batch_size < 1``, ``n > 1`` with ``temperature <= 0``, no prompts, or bad data (a
-            :class:`~hybridflow.errors.DataError`, see ``RLHFDataset``; an unknown ``data_source`` names the
-            registered ones).
+        ValueError: ``n``/``batch_size`` < 1, ``n > 1`` with ``temperature <= 0``, no prompts, prompt + response
+            beyond the model's positions (:func:`_check_positions`), or bad data (a ``DataError``, see
+            ``RLHFDataset``; an unknown ``data_source`` names the registered ones).
         FileNotFoundError: the model directory or a data file does not exist.
         UnknownNameError: (a ``KeyError``) ``rollout`` is not a registered backend (the message lists them).
         UserError: a plugin cannot be imported; ``MissingTokenizerError`` (also a ``ValueError``): the model
             directory holds no tokenizer files.
-        EvalInterrupted: (a ``KeyboardInterrupt``) Ctrl-C during generation; the responses scored so far are in
-            ``output``.
+        EvalInterrupted: (a ``KeyboardInterrupt``) Ctrl-C during generation; ``output`` keeps what was scored.
     """
-    if n < 1 or batch_size < 1:
-        raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
-    if n > 1 and temperature <= 0:
-        raise ValueError(f"mean@{n} samples {n} responses per prompt: it needs temperature > 0, got {temperature}")
+    _check_sampling(n, batch_size, temperature)
     start = time.perf_counter()
     files = [os.fspath(f) for f in ([data_files] if isinstance(data_files, (str, os.PathLike)) else data_files)]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -123,22 +123,23 @@ def evaluate(
     rows = first_rows(load_rows(files, prompt_key), max_samples, "max_samples")
     dataset = prompt_dataset(rows, tokenizer, max_prompt_length, prompt_key, truncation,
                              check_sources=compute_score == "default")
-    if len(dataset) == 0:
-        raise ValueError(f"no prompts to evaluate in {files}")
-    data = collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    data = _collate(dataset, tokenizer, files)
+    _check_positions(model_path, trust_remote_code, data.batch["input_ids"].shape[1], max_response_length)
     torch_dtype = resolve_dtype(dtype, device)
     generator = build_rollout(rollout, model_path, rollout_config(max_response_length, batch_size, top_p, top_k),
                               tokenizer, torch_dtype, device, trust_remote_code,
                               max_model_len=data.batch["input_ids"].shape[1] + max_response_length)
     passes = eval_passes(n, temperature, top_p, top_k)
-    results = _run_passes(generator, tokenizer, score, data, passes, batch_size, seed, output)
+    answers: dict[str, list] = {}
+    results = _run_passes(generator, tokenizer, score, data, passes, batch_size, seed, output, answers)
     result: dict[str, Any] = {"model": model_path, "data": files, "num_prompts": len(dataset),
                               "num_filtered": dataset.num_filtered,
-                              **_summarise(results, passes, data.non_tensor_batch["data_source"].tolist())}
-    result["settings"] = {"n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-                          "max_prompt_length": max_prompt_length, "max_response_length": max_response_length,
-                          "dtype": str(torch_dtype).replace("torch.", ""), "device": device, "rollout": rollout,
-                          "compute_score": compute_score, "max_samples": max_samples}
+                              **_summarise(results, passes, data.non_tensor_batch["data_source"].tolist(), answers,
+                                           pass_threshold)}
+    result["settings"] = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, rollout=rollout,
+                              max_prompt_length=max_prompt_length, max_response_length=max_response_length,
+                              dtype=str(torch_dtype).replace("torch.", ""), device=device, max_samples=max_samples,
+                              compute_score=compute_score, pass_threshold=pass_threshold)
     result["seconds"] = time.perf_counter() - start
     return result
 
@@ -188,10 +189,12 @@ def rollout_config(max_response_length: int, batch_size: int, top_p: float = 1.0
 
 
 def _run_passes(generator: BaseRollout, tokenizer: Any, score: Callable[[DataProto], list[float]], data: DataProto,
-                passes: dict[str, dict], batch_size: int, seed: int,
-                output: Optional[PathLike]) -> dict[str, tuple[list[float], list[str]]]:
+                passes: dict[str, dict], batch_size: int, seed: int, output: Optional[PathLike],
+                answers: dict[str, list]) -> dict[str, tuple[list[float], list[str]]]:
     """Generate and score every pass over ``data`` (the validation loop, :func:`score_passes`); writes each response
-    to ``output`` when set, flushed per batch. Returns pass name -> (scores, data sources) of its responses.
+    to ``output`` when set, flushed per batch. Returns pass name -> (scores, data sources) of its responses; fills
+    ``answers``: pass name -> the answer each response gives as its data source's reward extracts it (None: none),
+    for the passes of n >= 2 (maj@n).
 
     Raises:
         EvalInterrupted: Ctrl-C (``KeyboardInterrupt``); it counts the prompts scored per pass and the responses
@@ -208,6 +211,10 @@ def _run_passes(generator: BaseRollout, tokenizer: Any, score: Callable[[DataPro
             out.flush()
             written += len(rows)
         scored[name] += len(rows) // passes[name]["n"]
+        if passes[name]["n"] >= 2:
+            sources = rows.non_tensor_batch["data_source"]
+            answers.setdefault(name, []).extend(
+                extract_answer(str(src), text) for src, text in zip(sources, decode_responses(tokenizer, rows)))
 
     try:
         return score_passes(generator.generate_sequences, score, data, passes, batch_size, seed,
@@ -219,10 +226,11 @@ def _run_passes(generator: BaseRollout, tokenizer: Any, score: Callable[[DataPro
             out.close()
 
 
-def _summarise(results: dict[str, tuple[list[float], list[str]]], passes: dict[str, dict],
-               sources: list[str]) -> dict[str, Any]:
+def _summarise(results: dict[str, tuple[list[float], list[str]]], passes: dict[str, dict], sources: list[str],
+               answers: dict[str, list], pass_threshold: float) -> dict[str, Any]:
     """``{"mean@<n>": mean over all responses, ..., "by_data_source": {source: {"num_prompts", "mean@<n>": mean}}}``
-    from the passes' results and the data source of each prompt."""
+    from the passes' results and the data source of each prompt; with a sampled pass of n >= 2 also its pass@k,
+    best@k and maj@n (:func:`_add_sampled_metrics`, ``answers`` of that pass, ``pass_threshold``)."""
     result: dict[str, Any] = {"by_data_source": {source: {"num_prompts": count}
                                                  for source, count in sorted(Counter(sources).items())}}
     for name, (scores, response_sources) in results.items():
@@ -230,6 +238,8 @@ def _summarise(results: dict[str, tuple[list[float], list[str]]], passes: dict[s
         result[metric], per_source = mean_by_source(scores, response_sources)
         for source, value in per_source.items():
             result["by_data_source"][source][metric] = value
+    if passes.get("sampled", {}).get("n", 1) >= 2:
+        _add_sampled_metrics(result, *results["sampled"], answers["sampled"], passes["sampled"]["n"], pass_threshold)
     return {k: result[k] for k in [*(k for k in result if k != "by_data_source"), "by_data_source"]}
 
 
@@ -253,3 +263,49 @@ def _write_responses(out: Any, tokenizer: Any, scored: DataProto, scores: list[f
             "response": text, "ground_truth": rows["ground_truth"][i], "score": scores[i], "pass": name,
             "sample": i % n,
         }) + "\n")
+
+
+def _check_sampling(n: int, batch_size: int, temperature: float) -> None:
+    """Raises ValueError: ``n`` or ``batch_size`` below 1, or ``n`` > 1 with a greedy ``temperature`` (<= 0)."""
+    if n < 1 or batch_size < 1:
+        raise ValueError(f"n and batch_size must be >= 1, got n={n}, batch_size={batch_size}")
+    if n > 1 and temperature <= 0:
+        raise ValueError(f"mean@{n} samples {n} responses per prompt: it needs temperature > 0, got {temperature}")
+
+
+def _collate(dataset: RLHFDataset, tokenizer: Any, files: list[str]) -> DataProto:
+    """Every prompt of ``dataset`` as one left-padded DataProto. Raises ValueError: no prompts (all filtered)."""
+    if len(dataset) == 0:
+        raise ValueError(f"no prompts to evaluate in {files}")
+    return collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+
+
+def _check_positions(model_path: str, trust_remote_code: bool, prompt_length: int, max_response_length: int) -> None:
+    """Refuse, before the model loads, a longest prompt + ``max_response_length`` beyond the model's positions
+    (``max_position_embeddings`` x its rope factor, from config.json; no check where the config names none).
+
+    Raises:
+        ValueError: one line naming both numbers and the options to change.
+    """
+    limits = model_positions(model_path, trust_remote_code)
+    if limits is None:
+        return
+    limit, factor = limits
+    need = prompt_length + max_response_length
+    if need > limit * factor:
+        scaled = f" x rope scaling factor {factor:g}" if factor > 1 else ""
+        raise ValueError(f"the longest prompt ({prompt_length} tokens) + --max-response-length {max_response_length}"
+                         f" = {need} exceeds the model's max_position_embeddings={limit}{scaled} ({model_path}, its "
+                         "config.json): lower --max-response-length or --max-prompt-length (with --truncation)")
+
+
+def _add_sampled_metrics(result: dict[str, Any], scores: list[float], sources: list[str], answers: list,
+                         n: int, threshold: float) -> None:
+    """Add pass@k, best@k and maj@n of the sampled pass (:func:`sampled_metrics`) to ``result``: overall at the top
+    level, per data source under ``by_data_source``."""
+    for key, value in sampled_metrics("eval", scores, sources, answers, n, threshold).items():
+        parts = key.split("/", 2)  # eval/<metric>[/<data_source>], a data source may hold "/" itself
+        if len(parts) == 2:
+            result[parts[1]] = value
+        else:
+            result["by_data_source"][parts[2]][parts[1]] = value

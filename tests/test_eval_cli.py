@@ -113,9 +113,33 @@ def test_cli_mean_at_k_with_sampling(model_dir, data_file, tmp_path, capsys):
         rows = [r["score"] for r in sampled if r["data_source"] == source]
         assert len(rows) == 3 * count
         assert result["by_data_source"][source]["mean@3"] == pytest.approx(sum(rows) / len(rows))
+    # pass@k from the written scores by the closed form of n = 3 (c correct): pass@1 = c/3,
+    # pass@2 = 1 - C(3-c, 2)/C(3, 2) (0 correct of the 2 drawn), pass@3 = [c > 0]; on 0/1 scores best@k == pass@k
+    by_prompt: dict = {}
+    for r in sampled:
+        by_prompt.setdefault((r["data_source"], r["index"]), []).append(r["score"])
+    closed = {1: lambda c: c / 3, 2: lambda c: 1 - {0: 3, 1: 1, 2: 0, 3: 0}[c] / 3, 3: lambda c: float(c > 0)}
+    for k, form in closed.items():
+        values = [form(int(sum(s))) for s in by_prompt.values()]
+        assert result[f"pass@{k}"] == pytest.approx(sum(values) / len(values)), k
+        if k >= 2:
+            assert result[f"best@{k}"] == pytest.approx(result[f"pass@{k}"]), k
+        a = [form(int(sum(s))) for (src, _), s in by_prompt.items() if src == "test/exact-a"]
+        assert result["by_data_source"]["test/exact-a"][f"pass@{k}"] == pytest.approx(sum(a) / len(a)), k
+    assert "maj@3" not in result  # the test's exact-match rewards extract no answers: nothing votes
     # same seed -> same samples
     assert cli_main(argv) == 0
     assert json.loads(capsys.readouterr().out)["mean@3"] == result["mean@3"]
+
+
+def test_prompt_and_response_beyond_the_models_positions_is_one_line(model_dir, data_file):
+    """The tiny GPT-2 has 64 positions; the longest prompt is 10 tokens (9 words + BOS): 10 + 60 = 70 > 64."""
+    with pytest.raises(ValueError) as info:
+        evaluate(str(model_dir), str(data_file), max_response_length=60)
+    message = str(info.value)
+    assert "\n" not in message and "10" in message and "60 = 70" in message
+    assert "max_position_embeddings=64" in message and "--max-response-length" in message
+    evaluate(str(model_dir), str(data_file), max_response_length=54)  # 10 + 54 = 64 fits
 
 
 def test_filtering_long_prompts_is_counted(model_dir, data_file):

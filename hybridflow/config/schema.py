@@ -310,7 +310,8 @@ class RewardConfig:
     compute_score: str = "default"
     error_score: Optional[float] = None  # score of a response whose reward raises or times out; None: stop the run
     # seconds one response's rule/user scoring call may take before it is abandoned (its thread left running) and
-    # the response scored error_score, counted in reward/timeouts; null: unbounded (docs/how-to/reward.md)
+    # the response scored error_score, counted in reward/timeouts; a cost_model.rule call past it stops the run in
+    # one line; null: unbounded (docs/how-to/reward.md)
     timeout_s: Optional[float] = 300.0
     enable: bool = False  # also score with a reward model (a sequence/token-classification checkpoint)
     strategy: str = "fsdp2"  # training-engine registry name (hybridflow.training) that runs the reward model

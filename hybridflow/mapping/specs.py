@@ -233,21 +233,23 @@ MODEL_PRESETS: dict[str, ModelSpec] = {  # max_positions: Llama 2 4096, Code Lla
 
 def get_model(name_or_path: str) -> ModelSpec:
     """A preset (``7B``, ``13B``, ``34B``, ``70B``, ``tiny-arith``; case-insensitive), or the ``config.json`` of a
-    local Hugging Face model directory (a path to the directory or to the file; ``builtin:NAME`` is resolved).
+    local Hugging Face model directory (a path to the directory or to the file; ``builtin:NAME`` is resolved, and so
+    is a hub id ``org/name``, as training resolves it: the hub cache, downloading unless ``HF_HUB_OFFLINE=1``).
 
     Raises:
-        SpecError: neither a preset nor a readable config; the message lists the presets.
+        SpecError: neither a preset nor a readable config; the message lists the presets. A hub id that cannot be
+            had locally: the hub's one line (offline and not cached, unknown, gated).
     """
     for key, spec in MODEL_PRESETS.items():
         if key.lower() == name_or_path.lower():
             return spec
     path = Path(name_or_path)
-    if name_or_path.startswith("builtin:"):
-        from hybridflow.models.builtin import resolve_model_path
+    from hybridflow.models.builtin import is_hub_id, resolve_model_path
 
+    if name_or_path.startswith("builtin:") or is_hub_id(name_or_path):  # a hub id: its cached (or fetched) snapshot
         try:
             path = Path(resolve_model_path(name_or_path))
-        except ValueError as exc:
+        except (ValueError, FileNotFoundError) as exc:
             raise SpecError(str(exc)) from None
     if path.is_dir():
         path = path / "config.json"

@@ -18,7 +18,7 @@ from hybridflow.rewards import REWARDS, ComputeScoreFn, get_reward_fn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RewardTimeoutError", "call_bounded", "decode_responses", "multi_turn_info", "score_batch"]
+__all__ = ["RewardTimeoutError", "call_bounded", "cost_batch", "decode_responses", "multi_turn_info", "score_batch"]
 
 
 class RewardTimeoutError(UserError, TimeoutError):
@@ -147,6 +147,34 @@ def score_batch(tokenizer: Any, data: DataProto, texts: Optional[Sequence[str]] 
         errors.append(error)
         timeouts.append(timed_out)
     return (scores, errors, timeouts) if return_errors else scores
+
+
+def cost_batch(fn: Callable[..., Any], name: str, data: DataProto, texts: Sequence[str],
+               timeout_s: Optional[float]) -> list[float]:
+    """The rule cost ``name`` (``fn``) of each decoded response ``texts[i]``, called as ``fn(data_source, text,
+    ground_truth, extra_info)`` with ``data``'s non-tensor columns ("" / None where a column is missing), each call
+    bounded by ``timeout_s`` seconds (:func:`call_bounded`, ``reward_model.timeout_s``; None: unbounded). Units:
+    cost per response.
+
+    Raises:
+        RewardTimeoutError: a call did not return in time (one line naming the cost, the sample's ``index`` and
+            data_source, and the limit). A rule cost has no error value to fall back on, so the run stops.
+        Exception: whatever ``fn`` raised.
+    """
+    nt = data.non_tensor_batch
+    sources, truths, extra = nt.get("data_source"), nt.get("ground_truth"), nt.get("extra_info")
+    costs = []
+    for i, text in enumerate(texts):
+        args = ("" if sources is None else sources[i], text, "" if truths is None else truths[i],
+                None if extra is None else extra[i])
+        value, finished = call_bounded(fn, args, timeout_s)
+        if not finished:
+            sample = nt["index"][i] if "index" in nt else i
+            raise RewardTimeoutError(f"rule cost {name!r} (cost_model.rule) did not return within {timeout_s:g} s on "
+                                     f"sample index={sample} (data_source={args[0]!r}); raise reward_model.timeout_s "
+                                     "or fix the cost function")
+        costs.append(float(value))
+    return costs
 
 
 def _score_row(fn: Any, args: tuple, timeout_s: Optional[float], error_score: Optional[float], nt: dict,

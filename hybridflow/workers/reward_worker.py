@@ -15,7 +15,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.workers import columns
 from hybridflow.workers.timing import report_time
 from hybridflow.rewards import extract_answer, load_compute_score
-from hybridflow.rewards.batch import decode_responses, score_batch
+from hybridflow.rewards.batch import cost_batch, decode_responses, score_batch
 from hybridflow.rewards.cost import get_cost_fn
 from hybridflow.workers.inputs import ConfigSection, RuleRewardInputs, expect, expect_section
 
@@ -98,12 +98,11 @@ class RuleRewardWorker(Worker):
     def compute_rule_cost(self, data: DataProto) -> DataProto:
         """``token_level_cost_scores`` (B, R) fp32: the rule cost ``cost_model.rule`` of each decoded response
         (``responses``/``response_mask``; ``data_source``, ``ground_truth`` and ``extra_info`` columns when
-        present) on its last valid token."""
+        present) on its last valid token. Each call is bounded by ``reward_model.timeout_s``: one that does not
+        return in time stops the run with one line naming the sample
+        (:class:`~hybridflow.rewards.batch.RewardTimeoutError`)."""
         fn = get_cost_fn(self.inputs.cost_rule)
-        nt = data.non_tensor_batch
-        sources, truths, extra = nt.get("data_source"), nt.get("ground_truth"), nt.get("extra_info")
-        costs = [float(fn("" if sources is None else sources[i], text, "" if truths is None else truths[i],
-                          None if extra is None else extra[i]))
-                 for i, text in enumerate(decode_responses(self.tokenizer, data))]
+        costs = cost_batch(fn, self.inputs.cost_rule, data, decode_responses(self.tokenizer, data),
+                           self.config.timeout_s)
         mask = data.batch["response_mask"]
         return DataProto.from_dict(tensors={"token_level_cost_scores": place_scores(torch.tensor(costs), mask)})

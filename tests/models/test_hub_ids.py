@@ -52,3 +52,17 @@ def test_local_paths_and_builtins_are_no_hub_ids(tmp_path, monkeypatch):
     for path in (str(tmp_path / "org" / "name"), "./org/name", "builtin:tiny-arith", "a/b/c", "name"):
         assert not is_hub_id(path), path
     assert resolve_model_path("builtin:tiny-arith") == BUILTIN_MODELS["tiny-arith"]
+
+
+def test_hybridflow_plan_reads_a_hub_ids_config_from_the_cache(hub_cache):
+    """`hybridflow plan --actor org/tiny` sizes the cached snapshot's model, as training would load it; an uncached
+    id offline is the hub's one line as a SpecError (plan's error type)."""
+    import json
+
+    from hybridflow.mapping.specs import SpecError, get_model
+
+    config = json.loads((hub_cache / "config.json").read_text())
+    spec = get_model("org/tiny")
+    assert (spec.hidden, spec.layers) == (config["hidden_size"], config["num_hidden_layers"])
+    with pytest.raises(SpecError, match="HF_HUB_OFFLINE=1"):
+        get_model("nobody/uncached")

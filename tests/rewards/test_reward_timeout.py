@@ -149,3 +149,24 @@ def test_the_math_reward_bounds_itself_and_is_called_directly():
     texts = ["so \\boxed{0.5}", "\\boxed{3}"]
     scores, _, timeouts = score_batch(None, data, texts, error_score=-1.0, return_errors=True, timeout_s=1e-6)
     assert scores == [1.0, 0.0] and timeouts == [False, False]
+
+
+def test_a_rule_cost_that_never_returns_stops_within_the_timeout_in_one_line():
+    """cost_model.rule calls are bounded by reward_model.timeout_s too: the other rows' costs are the function's own
+    values; a hanging row raises one line naming the cost, the sample and the limit, within the limit + slack."""
+    from hybridflow.rewards.batch import cost_batch
+
+    def cost(data_source, solution_str, ground_truth, extra_info=None):
+        if "hang" in solution_str:
+            NEVER.wait()
+        return float(len(solution_str))
+
+    assert cost_batch(cost, "test_cost", _batch(["ab", "abcd"]), ["ab", "abcd"], TIMEOUT_S) == [2.0, 4.0]
+    texts = ["ab", "hang", "abc"]
+    start = time.monotonic()
+    with pytest.raises(RewardTimeoutError) as info:
+        cost_batch(cost, "test_cost", _batch(texts), texts, TIMEOUT_S)
+    assert time.monotonic() - start < TIMEOUT_S + 2.0
+    message = str(info.value)
+    assert "\n" not in message and "'test_cost'" in message and "index=21" in message and "0.5 s" in message
+    assert "'test/hangs'" in message
