@@ -79,6 +79,7 @@ TIERS: dict[str, str] = {
     "test_cli.py::test_known_third_party_warnings_are_hidden_here_and_in_started_processes": "dist",
     "test_cli_user_errors.py::test_data_errors_through_the_cli_are_one_line_without_traceback": "dist",
     "trainer/test_algorithms_e2e.py": "e2e",
+    "trainer/test_bf16_recipes.py": "e2e",
     "trainer/test_any_hf_model.py": "e2e",
     "trainer/test_any_hf_model.py::test_saved_model_loads_with_hybridflow_rules": "unit",
     "trainer/test_async.py": "e2e",

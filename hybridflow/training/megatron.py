@@ -56,6 +56,7 @@ class MegatronEngine(TrainEngine):
         self.skipped_steps = 0
         self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self._adapter = lambda: cpu_adapter(spec.device)
+        self.compute_dtype = next(self.gpt.parameters()).dtype  # the forwards' dtype: the weights' (no autocast)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "MegatronEngine":

@@ -159,3 +159,16 @@ def test_rollout_probe_check_cuts_to_the_rollout_context():
     stale = lora.greedy_logprobs(load_causal_lm(BASE, torch.float32), ids[:, :5])[1]
     with pytest.raises(RuntimeError, match="LoRA weight sync failed"):
         lora_sync.check_probe(expected, stale, "float32")
+
+
+def test_verify_sync_in_bf16_passes_merged_weights_and_catches_a_stale_rollout():
+    """bf16 trainer and rollout: the merged weights round differently from the trainer's W x + s B A x (the
+    tolerance's reason, docs/how-to/lora.md), a rollout without the adapters is still caught."""
+    model = _wrapped().to(torch.bfloat16).eval()
+    scaling = lora.lora_scaling(model.peft_config["default"])
+    rollout = load_causal_lm(BASE, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="LoRA weight sync failed"):
+        lora.verify_sync(model, rollout, model.config.vocab_size)
+    rollout.load_state_dict(dict(lora.merge_lora_stream(model.state_dict().items(), scaling)))
+    metrics = lora.verify_sync(model, rollout, model.config.vocab_size)
+    assert metrics["sync/verified"] == 1.0 and metrics["sync/probe_max_abs_diff"] <= lora.PROBE_ATOL["bfloat16"]
