@@ -152,6 +152,8 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
+    # the settings every backend reads; a backend's own keys (vllm: gpu_memory_utilization, enforce_eager, ...)
+    # join this section from its registration's config dataclass (hybridflow/rollout/vllm_config.py)
     name: str = "hf"  # rollout backend registry name: hf | vllm
     n: int = 1  # samples per prompt
     do_sample: bool = True  # sample (false: greedy decoding)
@@ -165,13 +167,6 @@ class RolloutConfig:
     # cache (same logits, fewer operators: hybridflow/rollout/fast_decode.py); false = transformers' forward
     fast_decode: bool = True
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
-    # vllm rollout: fraction of each GPU's memory the engine may use (weights, activations, KV cache), when
-    # kv_cache_memory_bytes is null (verl's key)
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True  # vllm rollout: no CUDA graphs / torch.compile (faster start, less memory; verl's key)
-    # vllm rollout: bytes of KV cache per engine, instead of sizing it by gpu_memory_utilization (vLLM's engine
-    # argument); null: by gpu_memory_utilization on GPU, 256 MiB on CPU (or VLLM_CPU_KVCACHE_SPACE GiB)
-    kv_cache_memory_bytes: Optional[int] = None
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,
     # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
