@@ -77,7 +77,7 @@ def _uniform_call_adapter(name: str, fn: Callable) -> Callable[..., tuple[torch.
     return adapter
 
 
-ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter)
+ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter, config_section="algorithm")
 
 
 def register_adv_est(name: str, **meta: Any) -> Callable[[Callable], Callable]:

@@ -47,7 +47,6 @@ from hybridflow.utils.provenance import RUN_INFO_KEY
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
 CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
-    "async_training.generator_quantization": ("none", "int8"),
     "reward_model.combine": ("sum", "model"),
     "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "cost_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -59,8 +58,6 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
-    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
-    "algorithm.filter_groups.on_limit": ("error", "train"),
     "algorithm.recompute_old_log_prob": ("auto", "always"),
     # a YAML / command-line bool arrives in the str field as True / False
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
@@ -96,7 +93,6 @@ _POSITIVE = (  # counts that must be >= 1
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
-    "algorithm.lagrangian.episode_cost_window_size",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -134,15 +130,13 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
      lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
-    (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
     (("actor_rollout_ref.actor.tis_level",), lambda v: v in ("token", "sequence"), "must be token or sequence"),
     (("actor_rollout_ref.actor.rollout_rs",), lambda v: v is None or v in ("token", "sequence", "geometric"),
      "must be null (off), token, sequence or geometric"),
     (("actor_rollout_ref.actor.rollout_rs_threshold",), lambda v: v is None or v > 0, "must be null or > 0"),
-    (("actor_rollout_ref.actor.rollout_rs_threshold_lower", "actor_rollout_ref.actor.icepop_alpha"),
+    (("actor_rollout_ref.actor.rollout_rs_threshold_lower",),
      lambda v: v is None or v >= 0, "must be >= 0"),
-    (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
-    (("algorithm.lagrangian.lambda_lr", "reward_model.overlong_buffer.penalty_factor"), lambda v: v >= 0,
+    (("reward_model.overlong_buffer.penalty_factor",), lambda v: v >= 0,
      "must be >= 0"),
     (("actor_rollout_ref.actor.loss_scale_factor",), lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),

@@ -22,10 +22,9 @@ PREFIX = "actor_rollout_ref.rollout"
 
 @dataclass
 class VLLMEngineConfig:
-    # rollout.name=vllm: the engine's arguments (verl's keys; vLLM's engine arguments of the same names)
-    # fraction of each GPU's memory the engine may use (weights, activations, KV cache) when kv_cache_memory_bytes
-    # is null; the actor's training state shares the GPU (the engine sleeps while it trains)
-    gpu_memory_utilization: float = 0.5
+    # rollout.name=vllm: the engine's arguments (verl's keys; vLLM's engine arguments of the same names). The actor's
+    # training state shares the GPU with the engine, which sleeps while the actor trains (free_cache_engine)
+    gpu_memory_utilization: float = 0.5  # fraction of each GPU's memory vLLM may use when kv_cache_memory_bytes is null
     # no CUDA graphs / torch.compile (faster start, less memory); null: false on GPU (CUDA graphs on), true on CPU
     enforce_eager: Optional[bool] = None
     # free the KV cache and the weights while the actor trains (vLLM sleep mode, where the platform has one);

@@ -83,7 +83,8 @@ def make_rollout_config(rollout: RolloutConfig, max_response_length: int, lora_r
     (``micro_batch_size_per_gpu``), ``weight_bucket_bytes`` (``update_weights_bucket_megabytes`` in bytes) and the
     LoRA adapter payload's rank and alpha (:func:`hybridflow.models.lora_sync.rollout_lora_options`; rank 0: merged
     or full weights)."""
-    keys = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)}
+    names = [f.name for f in dataclasses.fields(rollout)] if dataclasses.is_dataclass(rollout) else list(rollout.keys())
+    keys = {name: getattr(rollout, name) for name in names}  # the section: a dataclass object (or a config node)
     return SimpleNamespace(**keys, response_length=max_response_length,
                            micro_batch_size=rollout.micro_batch_size_per_gpu,
                            weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,

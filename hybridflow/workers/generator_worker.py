@@ -39,7 +39,8 @@ from hybridflow.workers.inputs import GeneratorInputs, expect, expect_section
 from hybridflow.workers.timing import report_time
 
 if TYPE_CHECKING:  # annotations only (the config package is a higher layer)
-    from hybridflow.config.schema import ActorRolloutRefConfig, AsyncTrainingConfig
+    from hybridflow.config.schema import ActorRolloutRefConfig
+    from hybridflow.trainer.driver_config import AsyncTrainingConfig
 
 logger = logging.getLogger(__name__)
 
