@@ -83,9 +83,9 @@ def _origin(cls: type, name: str) -> type:
 
 def _static(cls: type) -> type:
     """The first class in ``cls``'s MRO that has a source file (an assembled class has none)."""
-    from hybridflow.config import assemble
+    from hybridflow.config.assemble import central_class
 
-    return next(c for c in cls.__mro__ if c.__module__ != assemble.__name__)
+    return central_class(cls)
 
 
 def _field_doc(owner: type, name: str) -> tuple[str, str]:

@@ -10,13 +10,15 @@ contributes, whichever one a config selects: a key exists as long as its entry i
 
 The derived classes subclass the central ones (``isinstance(section, ActorConfig)`` holds) and record where each
 added field was declared in ``__field_origins__`` (field name -> the dataclass that declared it), which the
-generated config reference reads for the key's comment.
+generated config reference reads for the key's comment. Their objects pickle by reference to those classes (plain
+``pickle`` too): the receiving process rebuilds an equal class.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import typing
 from typing import Any, Callable
@@ -25,15 +27,15 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.errors import UserError
 from hybridflow.registry import Registry
 
-__all__ = ["REGISTRIES", "assembled_schema", "entry_checks", "field_origin", "registries"]
+__all__ = ["REGISTRIES", "assembled_schema", "central_class", "entry_checks", "field_origin", "registries"]
 
-#: (module, attribute) of every registry whose entries may bring config: a Registry, or a function returning one
+#: (module, attribute) of every registry whose entries may bring config: a Registry, or a function returning one.
+#: Not the training engines yet: importing ``hybridflow.training`` imports Ray, which config loading must not.
 REGISTRIES: tuple[tuple[str, str], ...] = (
     ("hybridflow.algorithms", "POLICY_LOSSES"),
     ("hybridflow.algorithms", "ADV_ESTIMATORS"),
     ("hybridflow.trainer.driver", "driver_registry"),
     ("hybridflow.rollout", "ROLLOUTS"),
-    ("hybridflow.training", "ENGINES"),
     ("hybridflow.tools", "TOOLS"),
 )
 
@@ -142,8 +144,41 @@ def _extend(cls: type, prefix: str, extensions: dict[str, list[tuple[str, type]]
                 origins[f.name] = config
     if not fields:
         return cls
-    namespace = {"__module__": __name__, "__doc__": cls.__doc__, "__field_origins__": origins}
+    namespace = {"__module__": __name__, "__doc__": cls.__doc__, "__field_origins__": origins,
+                 "__reduce__": _reduce_section}
     return dataclasses.make_dataclass(cls.__name__, fields, bases=(cls,), namespace=namespace)
+
+
+def central_class(cls: type) -> type:
+    """The central (or entry-declared) dataclass an assembled section class derives from; ``cls`` when it is one."""
+    return next(c for c in cls.__mro__ if c.__module__ != __name__)
+
+
+def _reduce_section(obj: Any) -> tuple:
+    """Pickle an assembled section object by reference only: its central class, the added fields' origins and its
+    values; the receiving process rebuilds an equal class (:func:`_restore`), so plain ``pickle`` works too."""
+    cls = type(obj)
+    extras: dict[str, type] = {}
+    for klass in reversed(cls.__mro__):
+        extras.update(klass.__dict__.get("__field_origins__", {}))
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return _restore, (central_class(cls), tuple(sorted(extras.items())), values)
+
+
+def _restore(base: type, extras: tuple[tuple[str, type], ...], values: dict[str, Any]) -> Any:
+    return (_restored_class(base, extras) if extras else base)(**values)
+
+
+@functools.cache
+def _restored_class(base: type, extras: tuple[tuple[str, type], ...]) -> type:
+    """``base`` with the fields ``extras`` (name, the dataclass that declares it) appended."""
+    fields = []
+    for name, origin in extras:
+        declared = next(f for f in dataclasses.fields(origin) if f.name == name)
+        fields.append((name, typing.get_type_hints(origin)[name], _copy_field(declared)))
+    namespace = {"__module__": __name__, "__doc__": base.__doc__, "__field_origins__": dict(extras),
+                 "__reduce__": _reduce_section}
+    return dataclasses.make_dataclass(base.__name__, fields, bases=(base,), namespace=namespace)
 
 
 def _copy_field(f: dataclasses.Field) -> dataclasses.Field:
