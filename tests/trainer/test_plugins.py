@@ -26,13 +26,26 @@ SHORT = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_
          "actor_rollout_ref.rollout.n=2", "data.builtin_val_size=8"]
 
 USER_DRIVER = '''
-"""A user driver: critic-free, built from the PPO driver's phases; logs the step it ran."""
+"""A user driver: critic-free, built from the PPO driver's phases; logs the step it ran and its own
+hyper-parameter (algorithm.my_reinforce.bonus, declared with the registration)."""
+from dataclasses import dataclass, field
+
 from hybridflow.trainer.driver import Driver, register_driver
 from hybridflow.trainer.ppo import PPOTrainer, common_roles
 from hybridflow.utils.timer import timer
 
 
-@register_driver("my_reinforce")
+@dataclass
+class BonusSection:
+    bonus: float = 0.0  # logged as my_reinforce/bonus
+
+
+@dataclass
+class MyReinforceConfig:
+    my_reinforce: BonusSection = field(default_factory=BonusSection)
+
+
+@register_driver("my_reinforce", config=MyReinforceConfig)
 class MyReinforce(Driver):
     ROLES = ("actor", "reward", "reward_model")
     CHECKPOINTED_ROLES = ("actor",)
@@ -47,10 +60,10 @@ class MyReinforce(Driver):
 
     @classmethod
     def build(cls, config, groups):
-        return cls(PPOTrainer(config, groups["actor"], None, groups["reward"]))
+        return cls(PPOTrainer(config, groups["actor"], None, groups["reward"]), config.algorithm.my_reinforce.bonus)
 
-    def __init__(self, ppo):
-        self.ppo = ppo
+    def __init__(self, ppo, bonus):
+        self.ppo, self.bonus = ppo, bonus
 
     def checkpointed_groups(self):
         return {"actor": self.ppo.actor}
@@ -62,6 +75,7 @@ class MyReinforce(Driver):
             batch = self.ppo.generate_and_score(batch, t)
             metrics = self.ppo.train_on(batch, t, scored=True)
         metrics["my_reinforce/step"] = float(self.global_step)
+        metrics["my_reinforce/bonus"] = self.bonus
         return self.ppo.step_metrics(batch, metrics, t)
 
     def validate(self, val_data):
@@ -97,11 +111,12 @@ def test_user_driver_from_a_plugin_file_runs_two_steps_through_hybridflow_train(
     plugin.write_text(USER_DRIVER)
     out = tmp_path / "run"
     rc = main(["train", "grpo_quickstart", *SHORT, f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce",
-               f"trainer.default_local_dir={out}"])
+               "algorithm.my_reinforce.bonus=0.5", f"trainer.default_local_dir={out}"])
     assert rc == 0
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["my_reinforce/step"] for r in rows] == [1.0, 2.0]  # the user driver's step made them
+    assert [r["my_reinforce/bonus"] for r in rows] == [0.5, 0.5]  # its own key, set like a built-in one
     assert all("actor/pg_loss" in r for r in rows)
 
 
@@ -111,6 +126,9 @@ def test_user_driver_config_check_runs_at_load(tmp_path):
     with pytest.raises(ConfigError, match="my_reinforce_check needs groups"):
         load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
                                         "actor_rollout_ref.rollout.n=1"])
+    with pytest.raises(ConfigError, match=r"did you mean algorithm\.my_reinforce_check\.bonus\?"):
+        load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
+                                        "algorithm.my_reinforce_check.bnus=1"])
 
 
 @pytest.mark.slow
