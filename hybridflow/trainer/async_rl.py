@@ -73,7 +73,8 @@ class _Blocking:
 
 
 @register_driver("async", features=("bypass_old_log_prob", "overlong_buffer"),
-                 config=AsyncDriverConfig, config_section="", config_checks=async_config_problems)
+                 config=AsyncDriverConfig, config_section="", config_checks=async_config_problems,
+                 int8_generators_key="async_training.generator_quantization")
 class AsyncTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=async``; reads ``async_training``).
