@@ -124,7 +124,8 @@ def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
     """Settings of a trained model (the actor; the critic when one is trained) that would only fail or go wrong
     after the workers start: ``dtype=float16`` (pure fp16 weights and AdamW states with no loss scaling: the
     quickstart's policy collapsed within two steps; auto computes in bf16 over fp32 master weights where bf16
-    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under fsdp2 (refused by the engine,
+    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under an engine that reads
+    ``fsdp_config`` (fsdp2; refused by the engine,
     :func:`hybridflow.distributed.fsdp.resolve_reshard_after_forward`)."""
     roles = [("actor_rollout_ref.model", "actor_rollout_ref.actor")]
     if need_critic_for(get("critic.enable"), get("algorithm.adv_estimator")):
@@ -135,11 +136,23 @@ def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
             problems.append(f"{model}.dtype=float16: hybridflow does not train in fp16 (no loss scaling); use "
                             "auto (bf16 compute over fp32 master weights where bf16 pays), bfloat16 or float32")
         lora = (get(f"{model}.lora_rank") or 0) > 0
-        if lora and get(f"{trainer}.strategy") == "fsdp2" and str(
-                get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false":
+        if lora and str(get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false" and \
+                _engine_reads(get(f"{trainer}.strategy"), "fsdp_config"):
             problems.append(f"{trainer}.fsdp_config.reshard_after_forward=false is not supported with LoRA "
                             f"adapters ({model}.lora_rank > 0): use auto or true")
     return problems
+
+
+def _engine_reads(engine: str, subsection: str) -> bool:
+    """Whether the training engine ``engine`` reads the role sub-section ``subsection`` (its registration's
+    ``config_subsection``); imports the engine registry (and Ray), so callers ask only when it matters."""
+    from hybridflow.registry import UnknownNameError
+    from hybridflow.training import ENGINES
+
+    try:
+        return ENGINES.meta(engine, "config_subsection") == subsection
+    except UnknownNameError:
+        return False
 
 
 def driver_problems(get: Callable[[str], Any]) -> list[str]:

@@ -32,7 +32,8 @@ __all__ = ["MegatronEngine"]
 
 # process_wide_state: megatron-core keeps its parallel state (and its RNG tracker) per process, so two megatron
 # engines of colocated roles would share one layout and seed (the trainer keeps such roles in separate processes)
-@register_engine("megatron", pipeline_parallel=True, process_wide_state=True)
+@register_engine("megatron", pipeline_parallel=True, process_wide_state=True, layout_section="megatron",
+                 requires_package="megatron.core", install_hint='megatron-core: pip install -e ".[megatron]"')
 class MegatronEngine(TrainEngine):
     """Megatron-core tp x pp x dp (see the module docstring); build with :meth:`build`.
 

@@ -137,8 +137,10 @@ def test_built_in_entries_keys_have_their_defaults():
     assert cfg.actor_rollout_ref.rollout.enforce_eager is None  # vllm's: CUDA graphs on GPU, eager on CPU
 
 
-@pytest.mark.parametrize("config, message", [(dict, "must be a dataclass type"),
-                                             (dataclasses.make_dataclass("NoDefault", [("x", int)]), "needs a default")])
+NO_DEFAULT = dataclasses.make_dataclass("NoDefault", [("x", int)])
+
+
+@pytest.mark.parametrize("config, message", [(dict, "must be a dataclass type"), (NO_DEFAULT, "needs a default")])
 def test_a_malformed_config_is_refused_at_registration(config, message):
     registry = Registry("thing", config_section="algorithm")
     with pytest.raises(TypeError, match=message):
@@ -153,7 +155,29 @@ def test_an_entry_redeclaring_a_central_key_is_refused_at_load():
     clash = dataclasses.make_dataclass("Clash", [("clip_ratio", float, 0.3)])
     POLICY_LOSSES.register("cfg_clash", config=clash)(compute_policy_loss_vanilla)
     try:
-        with pytest.raises(UserError, match="declares actor_rollout_ref.actor.clip_ratio, a key the schema already has"):
+        with pytest.raises(UserError, match="declares actor_rollout_ref.actor.clip_ratio, a key the schema already"):
             assembled_schema()
     finally:
         POLICY_LOSSES.unregister("cfg_clash")
+
+
+def test_an_engines_registration_decides_which_layout_section_it_reads():
+    """A user engine declaring ``layout_section="megatron"`` gets the ``*.megatron`` checks megatron gets; an
+    engine without it (fsdp2) refuses a layout it would ignore, naming the engines that read one."""
+    from hybridflow.training import ENGINES, FSDP2Engine, register_engine
+
+    @register_engine("cfg_pp_engine", layout_section="megatron")
+    class PipelinedEngine(FSDP2Engine):
+        pass
+
+    try:
+        cfg = load_config("quickstart", ["critic.strategy=cfg_pp_engine",
+                                         "critic.megatron.pipeline_model_parallel_size=2"])
+        assert cfg.critic.megatron.pipeline_model_parallel_size == 2  # 2 ranks, pp 2: accepted
+        (problem,) = _problems("critic.strategy=cfg_pp_engine", "critic.megatron.pipeline_model_parallel_size=3")
+        assert problem.startswith("critic.megatron: tensor_model_parallel_size * pipeline_model_parallel_size = 1 *")
+        (problem,) = _problems("critic.megatron.pipeline_model_parallel_size=2")  # critic.strategy=fsdp2
+        assert problem == ("critic.megatron (tp 1, pp 2) is read only with strategy=cfg_pp_engine | megatron, but "
+                           "critic.strategy=fsdp2")
+    finally:
+        ENGINES.unregister("cfg_pp_engine")
