@@ -27,7 +27,8 @@ from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.errors import UserError
 from hybridflow.registry import Registry
 
-__all__ = ["REGISTRIES", "assembled_schema", "central_class", "entry_checks", "field_origin", "registries"]
+__all__ = ["REGISTRIES", "assembled_schema", "central_class", "entry_checks", "field_origin", "registries",
+           "section_class"]
 
 #: (module, attribute) of every registry whose entries may bring config: a Registry, or a function returning one.
 #: Not the training engines yet: importing ``hybridflow.training`` imports Ray, which config loading must not.
@@ -204,6 +205,22 @@ def _check_new_key(key: str, owner: str, config: type, f: dataclasses.Field, hin
         if not (same_type and g.default == f.default and g.default_factory == f.default_factory):
             raise UserError(f"{owner} and {other_owner} both declare {key} with different types or defaults; "
                             "rename one")
+
+
+def section_class(path: str) -> type:
+    """The assembled dataclass of the dotted section ``path`` (``"actor_rollout_ref.actor"``; ``""``: the root): its
+    objects have every registered entry's keys with their defaults (build test or tool configs with it).
+
+    Raises:
+        KeyError: no such section.
+    """
+    cls = assembled_schema()
+    for part in filter(None, path.split(".")):
+        hint = typing.get_type_hints(cls).get(part)
+        if not dataclasses.is_dataclass(hint):
+            raise KeyError(f"no config section {path!r}")
+        cls = hint
+    return cls
 
 
 def field_origin(cls: type, name: str) -> type:

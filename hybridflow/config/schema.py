@@ -226,10 +226,10 @@ class AlgorithmConfig:
     # ahead of the trainer; async_training). A driver's own keys (algorithm.lagrangian of safe_rlhf,
     # algorithm.filter_groups of ppo, the async_training section) come from its registration (trainer/driver_config.py)
     driver: str = "ppo"
-    adv_estimator: str = "gae"  # advantage-estimator registry name
+    # advantage-estimator registry name; an estimator's own keys (grpo: norm_adv_by_std_in_grpo) join this section
+    adv_estimator: str = "gae"
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
-    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std
     use_kl_in_reward: bool = False  # subtract beta * KL(actor || ref) from the token rewards
     # use the rollout's sampling logprobs as old_log_probs instead of recomputing them with the actor (saves a
     # forward; like verl's rollout-correction bypass mode and LlamaRL, whose AIPO needs only mu)

@@ -71,28 +71,26 @@ def engine_kwargs(config: Any, cpu: bool, longest: Callable[[], int]) -> dict[st
         ands it with the platform's support) and, when set or implied by the platform, ``max_num_batched_tokens``,
         ``max_num_seqs``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``, ``enable_prefix_caching``.
     """
-    def value(key: str, default: Any = None) -> Any:
-        return getattr(config, key, default)
-
-    eager = value("enforce_eager")
+    eager = getattr(config, "enforce_eager", None)
     kwargs: dict[str, Any] = {"enforce_eager": cpu if eager is None else bool(eager),
-                              "gpu_memory_utilization": float(value("gpu_memory_utilization", 0.5)),
-                              "enable_sleep_mode": bool(value("free_cache_engine", True))}
-    chunked = value("enable_chunked_prefill")
+                              "gpu_memory_utilization": float(getattr(config, "gpu_memory_utilization", 0.5)),
+                              "enable_sleep_mode": bool(getattr(config, "free_cache_engine", True))}
+    chunked = getattr(config, "enable_chunked_prefill", None)
     if chunked is None and cpu:
         chunked = False
     if chunked is not None:
         kwargs["enable_chunked_prefill"] = bool(chunked)
-    tokens = value("max_num_batched_tokens")
+    tokens = getattr(config, "max_num_batched_tokens", None)
     if tokens is None and cpu and not chunked:
         tokens = max(CPU_MAX_BATCHED_TOKENS, int(longest()))
-    kv_bytes = value("kv_cache_memory_bytes")
+    kv_bytes = getattr(config, "kv_cache_memory_bytes", None)
     if kv_bytes is None and cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kv_bytes = CPU_KV_CACHE_BYTES
-    for key, setting in (("max_num_batched_tokens", tokens), ("max_num_seqs", value("max_num_seqs")),
+    for key, setting in (("max_num_batched_tokens", tokens), ("max_num_seqs", getattr(config, "max_num_seqs", None)),
                          ("kv_cache_memory_bytes", kv_bytes)):
         if setting is not None:
             kwargs[key] = int(setting)
-    if value("enable_prefix_caching") is not None:
-        kwargs["enable_prefix_caching"] = bool(value("enable_prefix_caching"))
+    prefix_caching = getattr(config, "enable_prefix_caching", None)
+    if prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = bool(prefix_caching)
     return kwargs

@@ -123,12 +123,19 @@ def test_user_driver_from_a_plugin_file_runs_two_steps_through_hybridflow_train(
 def test_user_driver_config_check_runs_at_load(tmp_path):
     plugin = tmp_path / "my_driver_check.py"
     plugin.write_text(USER_DRIVER.replace("my_reinforce", "my_reinforce_check"))
-    with pytest.raises(ConfigError, match="my_reinforce_check needs groups"):
-        load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
-                                        "actor_rollout_ref.rollout.n=1"])
-    with pytest.raises(ConfigError, match=r"did you mean algorithm\.my_reinforce_check\.bonus\?"):
-        load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
-                                        "algorithm.my_reinforce_check.bnus=1"])
+    try:
+        with pytest.raises(ConfigError, match="my_reinforce_check needs groups"):
+            load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
+                                            "actor_rollout_ref.rollout.n=1"])
+        with pytest.raises(ConfigError, match=r"did you mean algorithm\.my_reinforce_check\.bonus\?"):
+            load_config("grpo_quickstart", [f"trainer.plugins=[{plugin}]", "algorithm.driver=my_reinforce_check",
+                                            "algorithm.my_reinforce_check.bnus=1"])
+    finally:  # later tests list the registered drivers
+        from hybridflow.trainer.driver import DRIVERS, _ORDER
+
+        DRIVERS.unregister("my_reinforce_check")
+        _ORDER.remove("my_reinforce_check")
+        sys.modules.pop("hybridflow_plugin_my_driver_check", None)
 
 
 @pytest.mark.slow
