@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Callable
 
+from hybridflow.config.schema import ActorConfig
+
 __all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "engine_layout", "megatron_problems"]
 
 #: a role's config section -> (its strategy key, the layouts role whose pool it runs on)
@@ -14,7 +16,7 @@ MEGATRON_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strate
                      "actor_rollout_ref.ref": ("actor_rollout_ref.actor.strategy", "reference"),
                      "critic": ("critic.strategy", "critic")}
 LAYOUT_SECTION = "megatron"  # the (tp, pp) sub-section an engine reads when its registration has this layout_section
-DEFAULT_STRATEGY = "fsdp2"  # the schema's default strategy (registered by hybridflow.training itself)
+DEFAULT_STRATEGY = ActorConfig.strategy  # the schema's default strategy (registered by hybridflow.training itself)
 
 
 def _installed(package: str) -> bool:

@@ -1,8 +1,9 @@
 """``trainer.plugins``: a user module reaches the driver's config validation and every Ray worker.
 
 (a) a driver written in a user file, registered with ``@register_driver`` and named by ``algorithm.driver``, runs
-2 steps through ``hybridflow train``; (b) a policy loss registered in a user module runs inside the actor's Ray
-workers (it leaves a marker file with its process id, which is not the driver's); (c) a misspelled plugin stops
+2 steps through ``hybridflow train``, with a hyper-parameter its registration declares; (b) a policy loss registered
+in a user module runs inside the actor's Ray workers (it leaves a marker file with its process id, which is not the
+driver's, and the value of the key its registration declares); (c) a misspelled plugin stops
 ``hybridflow train`` with one line before Ray starts.
 """
 
@@ -85,17 +86,23 @@ class MyReinforce(Driver):
 
 def _marker_loss_module(marker: Path) -> str:
     return textwrap.dedent(f'''
-        """A user policy loss: the vanilla PPO-clip loss that records the process it runs in."""
+        """A user policy loss: the vanilla PPO-clip loss that records the process it runs in and its own key."""
         import os
+        from dataclasses import dataclass
 
         from hybridflow.algorithms import compute_policy_loss_vanilla, register_policy_loss
 
 
-        @register_policy_loss("marked_vanilla")
+        @dataclass
+        class MarkerConfig:
+            marker_tag: str = "unset"  # written into the marker file
+
+
+        @register_policy_loss("marked_vanilla", config=MarkerConfig)
         def marked_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                            config=None, rollout_log_probs=None, **agg_kwargs):
             with open({str(marker)!r} + "." + str(os.getpid()), "w") as f:
-                f.write(str(os.getpid()))
+                f.write(f"{{os.getpid()}} {{config.marker_tag}}")
             return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                                                config, rollout_log_probs=rollout_log_probs, **agg_kwargs)
     ''')
@@ -148,11 +155,14 @@ def test_policy_loss_from_a_plugin_module_runs_in_the_actor_workers(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hybridflow", "train", "grpo_quickstart", *SHORT,
                              "trainer.plugins=[my_losses_plugin]", "actor_rollout_ref.actor.policy_loss=marked_vanilla",
+                             "actor_rollout_ref.actor.marker_tag=seen",
                              f"trainer.default_local_dir={out}"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, output[-3000:]
-    pids = {int(p.read_text()) for p in tmp_path.glob("called.*")}
+    records = [p.read_text().split() for p in tmp_path.glob("called.*")]
+    assert records and all(tag == "seen" for _, tag in records)  # the loss's own key reached the workers
+    pids = {int(pid) for pid, _ in records}
     assert pids, "the plugin's loss never ran"
     assert proc.pid not in pids and os.getpid() not in pids  # it ran in the workers, not in the driver
     assert len(pids) == 2  # one per actor rank (trainer.n_gpus_per_node=2)
