@@ -99,10 +99,12 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
 
 def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> Any:
     """The :class:`hybridflow.training.ParallelLayout` a worker builds its engine on: ``section.megatron``'s
-    (tp, pp) with strategy=megatron, else ``(tp=fsdp_tp, pp=1)``; dp = ``world / (tp * pp)``."""
-    from hybridflow.training import ParallelLayout
+    (tp, pp) when the ``strategy`` engine's registration reads that layout section (``layout_section``), else
+    ``(tp=fsdp_tp, pp=1)``; dp = ``world / (tp * pp)``."""
+    from hybridflow.training import ENGINES, ParallelLayout
 
     tp, pp = fsdp_tp, 1
-    if strategy == "megatron":
-        tp, pp = section.megatron.tensor_model_parallel_size, section.megatron.pipeline_model_parallel_size
+    if strategy in ENGINES and ENGINES.meta(strategy, "layout_section") == LAYOUT_SECTION:
+        layout = getattr(section, LAYOUT_SECTION)
+        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
     return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
