@@ -105,6 +105,6 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
 
     tp, pp = fsdp_tp, 1
     if strategy in ENGINES and ENGINES.meta(strategy, "layout_section") == LAYOUT_SECTION:
-        layout = getattr(section, LAYOUT_SECTION)
-        tp, pp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+        layout_config = getattr(section, LAYOUT_SECTION)
+        tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
     return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
