@@ -12,6 +12,11 @@ drivers, training engines, tools, rewards ...). Every registry behaves the same 
   the nearest one ("did you mean ...").
 - Registering a *different* object under a taken name raises ``ValueError``; registering the same one again is a
   no-op (modules may be imported twice, e.g. by ``trainer.plugins`` on the driver and in a worker).
+- Configuration travels with the registration: ``config=SomeDataclass`` (metadata :data:`CONFIG`) adds the
+  dataclass's fields (keys, defaults, the comment on each) to the kind's config section (the registry's
+  ``config_section``, or the entry's own ``config_section=`` metadata), and ``config_checks=fn`` (:data:`CHECKS`,
+  ``fn(get) -> list[str]``) validates them at load; :mod:`hybridflow.config.assemble` builds the run's schema from
+  every registry's entries, so a plugin's keys are validated like the built-in ones.
 
 This module imports nothing from hybridflow, so every layer may use it. User code registers into these
 registries from its own module, listed in ``trainer.plugins`` so the workers import it too.
@@ -19,12 +24,17 @@ registries from its own module, listed in ``trainer.plugins`` so the workers imp
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 from hybridflow.errors import UserError
 
 T = TypeVar("T")
+
+CONFIG = "config"  # metadata key: a dataclass whose fields join the entry's config section
+CHECKS = "config_checks"  # metadata key: checks(get) -> list[str] of the entry's keys, run at config load
+SECTION = "config_section"  # metadata key: the dotted section an entry's config joins (default: the registry's)
 
 
 class UnknownNameError(UserError, KeyError, ValueError):
@@ -66,11 +76,15 @@ class Registry(Generic[T]):
         check: optional ``check(name, obj)`` run at registration; it raises ``TypeError`` for an object that is
             not of this kind (e.g. a class that does not subclass the kind's base class).
         missing: optional opening of the unknown-name message (see :func:`unknown_name_error`).
+        config_section: the dotted config section (``"actor_rollout_ref.actor"``) that the ``config=`` dataclass of
+            an entry extends, unless the entry gives its own ``config_section=``; None: entries must give it.
     """
 
     def __init__(self, kind: str, adapter: Optional[Callable[[str, T], Any]] = None,
-                 check: Optional[Callable[[str, T], None]] = None, missing: Optional[str] = None) -> None:
+                 check: Optional[Callable[[str, T], None]] = None, missing: Optional[str] = None,
+                 config_section: Optional[str] = None) -> None:
         self.kind = kind
+        self.config_section = config_section
         self._adapter = adapter
         self._check = check
         self._missing = missing
@@ -83,10 +97,12 @@ class Registry(Generic[T]):
 
         Raises:
             ValueError: ``name`` is empty or not a string, or already registered to a different object.
-            TypeError: the kind's ``check`` refused the object.
+            TypeError: the kind's ``check`` refused the object, or the ``config``/``config_checks``/
+                ``config_section`` metadata is malformed (see :meth:`_check_config_meta`).
         """
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        self._check_config_meta(name, meta)
 
         def decorator(obj: T) -> T:
             existing = self._originals.get(name)
@@ -101,6 +117,39 @@ class Registry(Generic[T]):
             return obj
 
         return decorator
+
+    def _check_config_meta(self, name: str, meta: dict[str, Any]) -> None:
+        """The config metadata of entry ``name``: ``config`` a dataclass type whose every field has a default,
+        ``config_checks`` callable, a section (the entry's or the registry's) for a ``config``.
+
+        Raises:
+            TypeError: one of them is not so.
+        """
+        config, checks = meta.get(CONFIG), meta.get(CHECKS)
+        where = f"{self.kind} {name!r}"
+        if config is not None:
+            if not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+                raise TypeError(f"{where}: config= must be a dataclass type, got {config!r}")
+            missing = [f.name for f in dataclasses.fields(config)
+                       if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+            if missing:
+                raise TypeError(f"{where}: every field of config={config.__name__} needs a default (the value a "
+                                f"config that does not set it gets); none for {', '.join(missing)}")
+            section = meta.get(SECTION, self.config_section)
+            if not isinstance(section, str):
+                raise TypeError(f"{where}: config= needs config_section= (the dotted section its keys join), "
+                                f"got {section!r}")
+        if checks is not None and not callable(checks):
+            raise TypeError(f"{where}: config_checks= must be callable as checks(get) -> list[str], got {checks!r}")
+
+    def config_entries(self) -> list[tuple[str, str, type]]:
+        """``(name, dotted section, dataclass)`` of every entry that declares a ``config``, by name."""
+        return [(n, self._meta[n].get(SECTION, self.config_section), self._meta[n][CONFIG])
+                for n in self.names() if self._meta[n].get(CONFIG) is not None]
+
+    def config_checks(self) -> list[tuple[str, Callable[[Callable[[str], Any]], list[str]]]]:
+        """``(name, checks)`` of every entry that declares ``config_checks``, by name."""
+        return [(n, self._meta[n][CHECKS]) for n in self.names() if self._meta[n].get(CHECKS) is not None]
 
     def get(self, name: str) -> Any:
         """The entry registered under ``name``.

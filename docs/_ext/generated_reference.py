@@ -1,7 +1,8 @@
 """Sphinx extension: writes the pages that are generated from the code, before Sphinx reads the sources.
 
-* ``reference/config.md``: every key of :class:`hybridflow.config.schema.HybridFlowConfig` with its type, default,
-  the comment that documents it in ``hybridflow/config/schema.py``, the values it accepts where the loader fixes
+* ``reference/config.md``: every key of the assembled schema (:func:`hybridflow.config.assemble.assembled_schema`:
+  :class:`hybridflow.config.schema.HybridFlowConfig` and the config dataclasses of the registry entries) with its
+  type, default, the comment that documents it where its dataclass is written, the values it accepts where the loader fixes
   them (``hybridflow.config.loader.CHOICES``) and verl's name where it differs (:data:`VERL_NAMES`).
 * ``reference/cli.md``: ``hybridflow --help`` and every subcommand's ``--help``, from ``hybridflow.cli.build_parser``.
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
+import inspect
 import io
 import os
 from contextlib import redirect_stdout
@@ -66,6 +69,39 @@ def _comments(path: Path = SCHEMA) -> tuple[dict[tuple[str, str], str], dict[str
     return fields, classes
 
 
+@functools.cache
+def _file_comments(path: str) -> tuple[dict[tuple[str, str], str], dict[str, str]]:
+    return _comments(Path(path))
+
+
+def _origin(cls: type, name: str) -> type:
+    """The dataclass whose source declares field ``name`` of the (assembled) section class ``cls``."""
+    from hybridflow.config.assemble import field_origin
+
+    return field_origin(cls, name)
+
+
+def _static(cls: type) -> type:
+    """The first class in ``cls``'s MRO that has a source file (an assembled class has none)."""
+    from hybridflow.config.assemble import central_class
+
+    return central_class(cls)
+
+
+def _field_doc(owner: type, name: str) -> tuple[str, str]:
+    """``(comment, annotation as written)`` of field ``name`` of the section class ``owner``, from the source of
+    the dataclass that declares it (the central schema or a registry entry's config)."""
+    origin = _origin(owner, name)
+    field_docs, _ = _file_comments(inspect.getsourcefile(origin))
+    written = next(f.type for f in dataclasses.fields(origin) if f.name == name)
+    return field_docs.get((origin.__name__, name), ""), str(written)
+
+
+def _class_doc(cls: type) -> str:
+    static = _static(cls)
+    return _file_comments(inspect.getsourcefile(static))[1].get(static.__name__, "")
+
+
 def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field, Any]]:
     """``(dotted key, owning dataclass instance, field, value)`` for every field, sections before their keys."""
     for f in dataclasses.fields(obj):
@@ -78,9 +114,9 @@ def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Fi
 
 def config_keys() -> list[str]:
     """Every leaf key of the schema (sections left out), dotted, in schema order."""
-    from hybridflow.config.schema import HybridFlowConfig
+    from hybridflow.config.assemble import assembled_schema
 
-    return [key for key, _, _, value in _walk(HybridFlowConfig()) if not dataclasses.is_dataclass(value)]
+    return [key for key, _, _, value in _walk(assembled_schema()()) if not dataclasses.is_dataclass(value)]
 
 
 def _cell(text: str) -> str:
@@ -136,26 +172,26 @@ def _meaning(key: str, doc: str, choices: dict[str, tuple[str, ...]]) -> str:
 
 def render_config_reference() -> str:
     """The Markdown text of ``reference/config.md``: one table per section of the schema."""
+    from hybridflow.config.assemble import assembled_schema
     from hybridflow.config.loader import CHOICES
-    from hybridflow.config.schema import HybridFlowConfig
 
-    field_docs, class_docs = _comments()
     out = ["# Config reference", "",
-           "Generated at build time from `hybridflow/config/schema.py` (the dataclasses and the comment on each "
+           "Generated at build time from `hybridflow/config/schema.py` and the config dataclasses the registry "
+           "entries declare (a policy loss's, a driver's, a rollout backend's own keys; the comment on each "
            "field) and the loader's fixed value sets, so it lists exactly the keys `hybridflow train` accepts. "
            "Set a key in a recipe YAML or as `key=value` on the command line; `hybridflow train RECIPE "
            "--print-config` prints the resolved config. A key with no verl note has verl's name, or has no verl "
            "counterpart. Batch sizes: `data.train_batch_size` and `*.ppo_mini_batch_size` count prompts, "
            "`*micro_batch_size_per_gpu` counts sequences on one rank.", ""]
     sections: dict[str, tuple[str, list[str]]] = {}  # section key -> (its text, its rows)
-    for key, owner, f, value in _walk(HybridFlowConfig()):
-        doc = field_docs.get((type(owner).__name__, f.name), "")
+    for key, owner, f, value in _walk(assembled_schema()()):
+        doc, written = _field_doc(type(owner), f.name)
         if dataclasses.is_dataclass(value):
-            text = " ".join(_sentence(t) for t in (doc, class_docs.get(type(value).__name__, "")) if t)
+            text = " ".join(_sentence(t) for t in (doc, _class_doc(type(value))) if t)
             sections[key] = (text, [])
             continue
         section = key.rsplit(".", 1)[0]
-        sections[section][1].append(f"* - {_key_html(key)}\n  - `{_cell(str(f.type))}`\n  - `{_cell(_yaml(value))}`\n"
+        sections[section][1].append(f"* - {_key_html(key)}\n  - `{_cell(written)}`\n  - `{_cell(_yaml(value))}`\n"
                                     f"  - {_cell(_meaning(key, doc, CHOICES))}")
     for section, (text, rows) in sections.items():
         out += ["", f"## `{section}`", ""] + ([_cell(text), ""] if text else [])

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -77,7 +78,7 @@ def _uniform_call_adapter(name: str, fn: Callable) -> Callable[..., tuple[torch.
     return adapter
 
 
-ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter)
+ADV_ESTIMATORS: Registry = Registry("advantage estimator", adapter=_uniform_call_adapter, config_section="algorithm")
 
 
 def register_adv_est(name: str, **meta: Any) -> Callable[[Callable], Callable]:
@@ -89,7 +90,8 @@ def register_adv_est(name: str, **meta: Any) -> Callable[[Callable], Callable]:
     ``critic.enable`` says otherwise; GAE) and ``needs_reward_baselines=True`` (it reads
     ``batch["reward_baselines"]``, which only the ``remax`` driver supplies; ReMax) and ``needs_groups=True`` (its
     baseline is the other samples of the same prompt, so ``rollout.n == 1`` gives every advantage 0; the driver
-    warns).
+    warns). ``config=SomeDataclass``: the estimator's own keys, joining the ``algorithm`` section and read by the
+    adapter like the others (GRPO's ``norm_adv_by_std_in_grpo``); ``config_checks=fn`` validates them at load.
 
     Raises:
         ValueError: another function is already registered under ``name``.
@@ -199,7 +201,12 @@ def discounted_reverse_cumsum(x: torch.Tensor, discount: float, block: int = 256
     return out
 
 
-@register_adv_est("grpo", needs_groups=True)
+@dataclass
+class GRPOConfig:
+    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std (false: Dr. GRPO)
+
+
+@register_adv_est("grpo", needs_groups=True, config=GRPOConfig)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

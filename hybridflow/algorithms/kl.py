@@ -7,11 +7,11 @@ estimators below estimate ``KL(pi || pi_ref)`` from the log-probs of those token
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Union
+from typing import Any, Union
 
 import torch
 
-from hybridflow.registry import unknown_name_error
+from hybridflow.registry import Registry
 
 LOW_VAR_KL_CLAMP = 10.0  # the k3 estimate is clamped to [-10, 10]
 LOG_RATIO_CLAMP = 20.0  # log(pi_ref / pi) is clamped to [-20, 20] before exp() (no effect after the k3 clamp)
@@ -34,13 +34,13 @@ def _k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(log_r) - log_r - 1.0, -LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
-_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "kl": _k1, "k1": _k1,
-    "abs": _abs,
-    "mse": _k2, "k2": _k2,
-    "low_var_kl": _k3, "k3": _k3,
-}
-KL_PENALTY_TYPES = tuple(_ESTIMATORS)  # the names kl_penalty accepts
+#: per-token KL estimators by name (``algorithm.kl_penalty``, ``actor.kl_loss_type``); k1/k2/k3 are aliases
+KL_ESTIMATORS: Registry = Registry("kl_penalty")
+for _names, _fn in ((("kl", "k1"), _k1), (("abs",), _abs), (("mse", "k2"), _k2), (("low_var_kl", "k3"), _k3)):
+    for _name in _names:
+        KL_ESTIMATORS.register(_name)(_fn)
+del _names, _fn, _name
+KL_PENALTY_TYPES = tuple(KL_ESTIMATORS)  # the built-in names kl_penalty accepts
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
@@ -74,10 +74,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
         ValueError: (:class:`~hybridflow.registry.UnknownNameError`) unknown name; the
             message lists the known ones.
     """
-    try:
-        estimator = _ESTIMATORS[kl_penalty]
-    except (KeyError, TypeError):
-        raise unknown_name_error("kl_penalty", kl_penalty, list(_ESTIMATORS)) from None
+    estimator = KL_ESTIMATORS.get(kl_penalty)
     return estimator(logprob, ref_logprob)
 
 
@@ -155,8 +152,15 @@ class AdaptiveKLController:
 KLController = Union[FixedKLController, AdaptiveKLController]
 
 
+#: KL-coefficient controllers by ``algorithm.kl_ctrl.type``: each entry builds one from the ``kl_ctrl`` section
+KL_CONTROLLERS: Registry = Registry("kl_ctrl.type")
+KL_CONTROLLERS.register("fixed")(lambda cfg: FixedKLController(kl_coef=cfg.kl_coef))
+KL_CONTROLLERS.register("adaptive")(lambda cfg: AdaptiveKLController(init_kl_coef=cfg.kl_coef, target_kl=cfg.target_kl,
+                                                                     horizon=cfg.horizon))
+
+
 def get_kl_controller(kl_ctrl_config: Any) -> KLController:
-    """Build the controller described by ``algorithm.kl_ctrl``.
+    """Build the controller described by ``algorithm.kl_ctrl`` (its ``type`` looked up in :data:`KL_CONTROLLERS`).
 
     Args:
         kl_ctrl_config: object with attributes ``type`` ("fixed" | "adaptive"), ``kl_coef`` (the
@@ -164,12 +168,7 @@ def get_kl_controller(kl_ctrl_config: Any) -> KLController:
             OmegaConf DictConfig).
 
     Raises:
-        ValueError: unknown ``type`` (lists the known ones) or invalid adaptive parameters.
+        ValueError: unknown ``type`` (:class:`~hybridflow.registry.UnknownNameError`, listing the known ones) or
+            invalid adaptive parameters.
     """
-    kind = kl_ctrl_config.type
-    if kind == "fixed":
-        return FixedKLController(kl_coef=kl_ctrl_config.kl_coef)
-    if kind == "adaptive":
-        return AdaptiveKLController(init_kl_coef=kl_ctrl_config.kl_coef, target_kl=kl_ctrl_config.target_kl,
-                                    horizon=kl_ctrl_config.horizon)
-    raise unknown_name_error("kl_ctrl.type", kind, ["fixed", "adaptive"])
+    return KL_CONTROLLERS.get(kl_ctrl_config.type)(kl_ctrl_config)

@@ -8,7 +8,8 @@ Shapes: ``(B, T)`` = batch, response tokens.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,10 +18,22 @@ from hybridflow.algorithms.policy_loss_registry import LOG_RATIO_CLAMP, register
 from hybridflow.algorithms.rollout_correction import rejection_keep
 from hybridflow.algorithms.utils import masked_mean
 
-__all__ = ["compute_policy_loss_aipo"]
+__all__ = ["AIPOConfig", "compute_policy_loss_aipo"]
 
 
-@register_policy_loss("aipo", needs_rollout_log_probs=True, importance_cap="aipo_rho", corrects_off_policy=True)
+@dataclass
+class AIPOConfig:
+    aipo_rho: float = 4.0  # AIPO cap rho on the importance weight pi/mu (policy_loss=aipo; LlamaRL suggests 2-10)
+
+
+def aipo_config_problems(get: Callable[[str], Any]) -> list[str]:
+    """``actor_rollout_ref.actor.aipo_rho`` > 0 (``get(dotted_key)`` returns a key's value)."""
+    rho = get("actor_rollout_ref.actor.aipo_rho")
+    return [] if rho > 0 else [f"actor_rollout_ref.actor.aipo_rho: must be > 0 (AIPO importance-weight cap), got {rho}"]
+
+
+@register_policy_loss("aipo", needs_rollout_log_probs=True, importance_cap="aipo_rho", corrects_off_policy=True,
+                      config=AIPOConfig, config_checks=aipo_config_problems)
 def compute_policy_loss_aipo(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

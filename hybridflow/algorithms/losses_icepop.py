@@ -18,7 +18,8 @@ Shapes: ``(B, T)`` = batch, response tokens.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -27,9 +28,30 @@ from hybridflow.algorithms.losses import _ppo_clip_token_losses
 from hybridflow.algorithms.policy_loss_registry import register_policy_loss
 from hybridflow.algorithms.rollout_correction import in_band, mismatch_log_ratio, rejection_keep
 
-__all__ = ["ICEPOP_METRIC", "compute_policy_loss_icepop", "icepop_masked", "icepop_weights"]
+__all__ = ["ICEPOP_METRIC", "IcePopConfig", "compute_policy_loss_icepop", "icepop_masked", "icepop_weights"]
 
 ICEPOP_METRIC = "actor/icepop_masked_frac"  # share of the valid tokens IcePop's band masked out
+ACTOR = "actor_rollout_ref.actor"
+NAME = "icepop"  # this loss's registry name
+
+
+@dataclass
+class IcePopConfig:
+    # policy_loss=icepop (IcePop, arXiv 2510.18855): tokens whose pi_old / mu is outside [icepop_alpha, icepop_beta] are
+    # masked out of the loss, the rest weighted by pi_old / mu; the paper's band is [0.5, 5]
+    icepop_alpha: float = 0.5  # IcePop lower bound alpha >= 0 on pi_old / mu
+    icepop_beta: float = 5.0  # IcePop upper bound beta > alpha on pi_old / mu
+
+
+def icepop_config_problems(get: Callable[[str], Any]) -> list[str]:
+    """``icepop_alpha`` >= 0, and < ``icepop_beta`` when the actor's loss is this one (``get(dotted_key)`` returns a
+    key's value)."""
+    alpha, beta = get(f"{ACTOR}.icepop_alpha"), get(f"{ACTOR}.icepop_beta")
+    if alpha < 0:
+        return [f"{ACTOR}.icepop_alpha: must be >= 0, got {alpha}"]
+    if get(f"{ACTOR}.policy_loss") == NAME and not alpha < beta:
+        return [f"{ACTOR}.icepop_alpha ({alpha}) must be < {ACTOR}.icepop_beta ({beta})"]
+    return []
 
 
 def _band(config: Any) -> tuple[float, float]:
@@ -72,8 +94,9 @@ def icepop_masked(old_log_prob: torch.Tensor, rollout_log_probs: Optional[torch.
     return ~in_band(log_k, alpha, beta) & (response_mask != 0)
 
 
-@register_policy_loss("icepop", needs_rollout_log_probs=True, corrects_off_policy=True, own_mismatch_weight=True,
-                      masked_tokens=(ICEPOP_METRIC, icepop_masked))
+@register_policy_loss(NAME, needs_rollout_log_probs=True, corrects_off_policy=True, own_mismatch_weight=True,
+                      masked_tokens=(ICEPOP_METRIC, icepop_masked), config=IcePopConfig,
+                      config_checks=icepop_config_problems)
 def compute_policy_loss_icepop(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,

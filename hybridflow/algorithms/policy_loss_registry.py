@@ -16,7 +16,10 @@ decides on a loss's name):
   rollout_log_probs, response_mask, config)`` gives the ``(B, T)`` bool of the masked ones and the actor logs their
   share of the valid tokens as ``metric`` (IcePop: ``actor/icepop_masked_frac``);
 - ``own_mismatch_weight=True``: the loss weights tokens by the mismatch ratio itself, so truncated IS
-  (``tis_imp_ratio_cap``) would weight them twice and is refused with it (IcePop).
+  (``tis_imp_ratio_cap``) would weight them twice and is refused with it (IcePop);
+- ``config=SomeDataclass``: the loss's own hyper-parameters, keys of ``actor_rollout_ref.actor`` (AIPO's
+  ``aipo_rho``), handed to the loss in its ``config`` (the actor section) by their names; ``config_checks=fn``:
+  ``fn(get) -> list[str]`` validating them at load (:mod:`hybridflow.registry`).
 
 Shapes: ``(B, T)`` = batch, response tokens.
 """
@@ -35,7 +38,7 @@ __all__ = ["LOG_RATIO_CLAMP", "LOSS_CALL_KEYWORDS", "LOSS_CALL_POSITIONAL", "POL
 
 LOG_RATIO_CLAMP = 20.0  # |log pi/pi_old| is clamped to this before exp() so the ratio stays finite
 
-POLICY_LOSSES: Registry = Registry("policy loss")
+POLICY_LOSSES: Registry = Registry("policy loss", config_section="actor_rollout_ref.actor")
 
 
 #: how the actor calls a policy loss: these positionally, then ``rollout_log_probs=`` and the normalisers of

@@ -124,7 +124,8 @@ def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
     """Settings of a trained model (the actor; the critic when one is trained) that would only fail or go wrong
     after the workers start: ``dtype=float16`` (pure fp16 weights and AdamW states with no loss scaling: the
     quickstart's policy collapsed within two steps; auto computes in bf16 over fp32 master weights where bf16
-    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under fsdp2 (refused by the engine,
+    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under an engine that reads
+    ``fsdp_config`` (fsdp2; refused by the engine,
     :func:`hybridflow.distributed.fsdp.resolve_reshard_after_forward`)."""
     roles = [("actor_rollout_ref.model", "actor_rollout_ref.actor")]
     if need_critic_for(get("critic.enable"), get("algorithm.adv_estimator")):
@@ -135,18 +136,30 @@ def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
             problems.append(f"{model}.dtype=float16: hybridflow does not train in fp16 (no loss scaling); use "
                             "auto (bf16 compute over fp32 master weights where bf16 pays), bfloat16 or float32")
         lora = (get(f"{model}.lora_rank") or 0) > 0
-        if lora and get(f"{trainer}.strategy") == "fsdp2" and str(
-                get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false":
+        if lora and str(get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false" and \
+                _engine_reads(get(f"{trainer}.strategy"), "fsdp_config"):
             problems.append(f"{trainer}.fsdp_config.reshard_after_forward=false is not supported with LoRA "
                             f"adapters ({model}.lora_rank > 0): use auto or true")
     return problems
+
+
+def _engine_reads(engine: str, subsection: str) -> bool:
+    """Whether the training engine ``engine`` reads the role sub-section ``subsection`` (its registration's
+    ``config_subsection``); imports the engine registry (and Ray), so callers ask only when it matters."""
+    from hybridflow.registry import UnknownNameError
+    from hybridflow.training import ENGINES
+
+    try:
+        return ENGINES.meta(engine, "config_subsection") == subsection
+    except UnknownNameError:
+        return False
 
 
 def driver_problems(get: Callable[[str], Any]) -> list[str]:
     """``algorithm.driver`` names a registered driver (:mod:`hybridflow.trainer.driver`); an estimator that one
     driver owns (registry metadata ``owns_estimators``: ReMax's greedy baseline) runs under it; every optional
     feature switched on (``FEATURES``) is one the driver implements (metadata ``features``); the driver's own
-    checks (``Driver.config_problems``); the Lagrangian's bounds."""
+    checks (``Driver.config_problems``). Each driver's own keys are checked by its registration's ``config_checks``."""
     from hybridflow.trainer.driver import DRIVERS, FEATURES, driver_names, drivers_with
 
     driver, estimator = get("algorithm.driver"), get("algorithm.adv_estimator")
@@ -167,13 +180,6 @@ def driver_problems(get: Callable[[str], Any]) -> list[str]:
     if get("algorithm.bypass_old_log_prob") and (get("actor_rollout_ref.actor.tis_imp_ratio_cap") or -1) > 0:
         problems.append("algorithm.bypass_old_log_prob=true makes old_log_probs the rollout's logprobs, so "
                         "actor.tis_imp_ratio_cap would weight every token by 1: turn one of them off")
-    lam = "algorithm.lagrangian"
-    lam_max, lam_init = get(f"{lam}.lambda_max"), get(f"{lam}.lambda_init")
-    if lam_max is not None and lam_max < lam_init:
-        problems.append(f"{lam}.lambda_max ({lam_max}) must be null or >= {lam}.lambda_init ({lam_init})")
-    lam_min = get(f"{lam}.lambda_min")
-    if not 0 <= lam_min <= lam_init:
-        problems.append(f"{lam}.lambda_min ({lam_min}) must be in [0, {lam}.lambda_init ({lam_init})] (0: no floor)")
     return problems
 
 
@@ -265,9 +271,6 @@ def mismatch_problems(get: Callable[[str], Any]) -> list[str]:
                         f"({upper})")
     loss, tis = get(f"{actor}.policy_loss"), (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0
     own_band = declared("policy_loss", loss, "masked_tokens") is not None
-    if own_band and not get(f"{actor}.icepop_alpha") < get(f"{actor}.icepop_beta"):
-        problems.append(f"{actor}.icepop_alpha ({get(f'{actor}.icepop_alpha')}) must be < {actor}.icepop_beta "
-                        f"({get(f'{actor}.icepop_beta')})")
     if tis and declared("policy_loss", loss, "own_mismatch_weight"):
         problems.append(f"{actor}.policy_loss={loss} already weights each token by pi_old/mu; "
                         f"{actor}.tis_imp_ratio_cap would weight it twice: set it to -1")

@@ -1,9 +1,11 @@
 """Load a recipe and ``key=value`` overrides into the typed schema, and validate everything once.
 
-``load_config`` builds ``OmegaConf.structured(HybridFlowConfig)``, merges the YAML recipe (a plain delta on the
+``load_config`` imports the modules of ``trainer.plugins`` (as the recipe and overrides set it), builds
+``OmegaConf.structured`` of the schema assembled from the central sections and every registry entry's config
+(:mod:`hybridflow.config.assemble`), merges the YAML recipe (a plain delta on the
 schema defaults) and then the overrides (OmegaConf dotlist syntax: ``data.train_batch_size=64``,
 ``trainer.logger=[console]``), resolves interpolations such as ``${trainer.project_name}``, runs the semantic
-checks below and returns a read-only ``DictConfig``. Every problem found (unknown keys with the nearest valid
+checks below (with every registry entry's own ``config_checks``) and returns a read-only ``DictConfig``. Every problem found (unknown keys with the nearest valid
 key, wrong types, unresolvable interpolations, bad values and batch-size arithmetic) is collected and raised
 together as one ``ConfigError``.
 
@@ -11,7 +13,7 @@ Loading never imports Ray, so a bad config fails in seconds, before Ray starts. 
 or name tables (``NAME_SOURCES``: advantage estimator, policy loss, loss aggregation, KL estimator, rollout
 backend, rule cost) are checked by importing ``hybridflow.algorithms`` / ``hybridflow.rollout`` /
 ``hybridflow.rewards.cost``, only for values that differ from the schema defaults. The modules of
-``trainer.plugins`` are imported first, so names they register pass. ``algorithm.driver`` and what each driver
+``trainer.plugins`` are imported first, so names they register and keys their entries declare pass. ``algorithm.driver`` and what each driver
 needs are checked against the driver registry (:mod:`hybridflow.trainer.driver`; its modules import no Ray).
 """
 
@@ -36,8 +38,8 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       fsdp_size_problems, logger_problems, mismatch_problems, need_critic_for,
                                       parallel_layout_problems, reward_fn_problems, rollout_package_problems,
                                       score_model_problems, strategy_problems, trained_model_problems)
+from hybridflow.config.assemble import assembled_schema, entry_checks
 from hybridflow.config.layouts import apply_layouts
-from hybridflow.config.schema import HybridFlowConfig
 from hybridflow.config.checks import lora_rollout_problems  # the rollout's side of lora_problems
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
@@ -46,7 +48,6 @@ from hybridflow.utils.provenance import RUN_INFO_KEY
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"  # YAML recipes shipped in the package
 
 CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fixed set
-    "async_training.generator_quantization": ("none", "int8"),
     "reward_model.combine": ("sum", "model"),
     "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "cost_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -58,8 +59,6 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "critic.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
-    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward"),
-    "algorithm.filter_groups.on_limit": ("error", "train"),
     "algorithm.recompute_old_log_prob": ("auto", "always"),
     # a YAML / command-line bool arrives in the str field as True / False
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
@@ -95,7 +94,6 @@ _POSITIVE = (  # counts that must be >= 1
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.forward_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.total_epochs",
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
-    "algorithm.lagrangian.episode_cost_window_size",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
@@ -129,21 +127,17 @@ _VALUE_RULES: list[tuple[Sequence[str], Callable[[Any], bool], str]] = [
     (_PROBABILITIES, lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
     (("actor_rollout_ref.actor.optim.lr", "critic.optim.lr"), lambda v: v > 0, "must be > 0"),
     (("reward_model.timeout_s", "trainer.call_timeout_s"), lambda v: v is None or v > 0, "must be null or > 0"),
-    (("actor_rollout_ref.rollout.gpu_memory_utilization",), lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
-    (("actor_rollout_ref.rollout.kv_cache_memory_bytes",), lambda v: v is None or v >= 1, "must be null or >= 1"),
     (("actor_rollout_ref.actor.clip_ratio", "critic.cliprange_value"), lambda v: v > 0, "must be > 0"),
     (("actor_rollout_ref.actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_high"),
      lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.actor.clip_ratio_c",), lambda v: v > 1, "must be > 1 (dual-clip constant)"),
-    (("actor_rollout_ref.actor.aipo_rho",), lambda v: v > 0, "must be > 0 (AIPO importance-weight cap)"),
     (("actor_rollout_ref.actor.tis_level",), lambda v: v in ("token", "sequence"), "must be token or sequence"),
     (("actor_rollout_ref.actor.rollout_rs",), lambda v: v is None or v in ("token", "sequence", "geometric"),
      "must be null (off), token, sequence or geometric"),
     (("actor_rollout_ref.actor.rollout_rs_threshold",), lambda v: v is None or v > 0, "must be null or > 0"),
-    (("actor_rollout_ref.actor.rollout_rs_threshold_lower", "actor_rollout_ref.actor.icepop_alpha"),
+    (("actor_rollout_ref.actor.rollout_rs_threshold_lower",),
      lambda v: v is None or v >= 0, "must be >= 0"),
-    (("algorithm.lagrangian.lambda_init",), lambda v: v > 0, "must be > 0 (lambda is kept as log lambda)"),
-    (("algorithm.lagrangian.lambda_lr", "reward_model.overlong_buffer.penalty_factor"), lambda v: v >= 0,
+    (("reward_model.overlong_buffer.penalty_factor",), lambda v: v >= 0,
      "must be >= 0"),
     (("actor_rollout_ref.actor.loss_scale_factor",), lambda v: v is None or v > 0, "must be null or > 0"),
     (("actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.val_kwargs.temperature"),
@@ -195,27 +189,28 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         overrides: ``key=value`` strings in OmegaConf dotlist syntax, applied in order after the recipe.
 
     Returns:
-        A struct-mode, read-only ``DictConfig`` of ``HybridFlowConfig`` with all interpolations resolved.
+        A struct-mode, read-only ``DictConfig`` of the assembled schema (:func:`assembled_schema`) with all
+        interpolations resolved.
 
     Raises:
         ConfigError: listing every problem found, each with its dotted key.
         UserError: a module of ``trainer.plugins`` cannot be imported (raised before the other checks run).
     """
-    cfg = OmegaConf.structured(HybridFlowConfig)
     problems: list[str] = []
+    deltas = _read_deltas(recipe, overrides, problems)
+    plugins = _plugins_named(deltas)
+    if plugins:  # before the schema is built: a plugin's registry entries bring their keys and checks
+        plugins = _import_plugins(plugins)
+    schema = assembled_schema()
+    all_paths, _, leaf_paths = _schema_info(schema)
+    cfg = OmegaConf.structured(schema)
     bad_paths: set[str] = set()  # keys whose value was rejected: semantic checks that read them are skipped
-    if recipe is not None:
-        try:
-            path = resolve_recipe(recipe)
-            _merge(cfg, _read_recipe(path), HybridFlowConfig, "", f"recipe {path.name}", problems, bad_paths)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    for item in overrides:
-        try:
-            _merge(cfg, _parse_override(item), HybridFlowConfig, "", "override", problems, bad_paths)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    for path in _LEAF_PATHS:
+    for delta, source in deltas:
+        if isinstance(delta, ConfigError):
+            problems.extend(delta.problems)
+        else:
+            _merge(cfg, delta, schema, "", source, problems, bad_paths, all_paths)
+    for path in leaf_paths:
         if path in bad_paths:
             continue
         try:
@@ -223,11 +218,11 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
         except OmegaConfBaseException as exc:
             problems.append(f"{path}: {str(exc).splitlines()[0]}")
             bad_paths.add(path)
-    if "trainer.plugins" not in bad_paths:
-        _import_plugins(cfg)  # before the checks: a plugin may register the names they look up
+    if plugins and "trainer.plugins" not in bad_paths:
+        cfg.trainer.plugins = plugins  # file paths made absolute, so every worker finds them
     if not problems:  # the layouts section decides the tp keys the semantic checks read
         problems.extend(apply_layouts(cfg, functools.partial(_get, cfg)))
-    problems.extend(_semantic_problems(cfg, bad_paths))
+    problems.extend(_semantic_problems(cfg, bad_paths, schema))
     if problems:
         raise ConfigError(problems)
     try:
@@ -240,17 +235,49 @@ def load_config(recipe: str | Path | None = None, overrides: Iterable[str] = ())
     return cfg
 
 
-def _import_plugins(cfg: DictConfig) -> None:
-    """Import ``trainer.plugins`` (their file paths made absolute in ``cfg``, so every worker finds them).
+def _read_deltas(recipe: str | Path | None, overrides: Iterable[str],
+                 problems: list[str]) -> list[tuple[Any, str]]:
+    """The recipe and each override as ``(plain nested dict, source)``, in merge order; one that cannot be read is
+    a ``(ConfigError, source)`` in its place (its problems are reported in that order); a recipe that is not
+    found goes to ``problems`` at once."""
+    deltas: list[tuple[Any, str]] = []
+    if recipe is not None:
+        try:
+            path = resolve_recipe(recipe)
+            deltas.append((_read_recipe(path), f"recipe {path.name}"))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    for item in overrides:
+        try:
+            deltas.append((_parse_override(item), "override"))
+        except ConfigError as exc:
+            deltas.append((exc, "override"))
+    return deltas
+
+
+def _plugins_named(deltas: list[tuple[Any, str]]) -> list[str]:
+    """``trainer.plugins`` as the deltas set it (the last one that does wins, as in the merge); [] when none does
+    or the value is not a list of strings (the merge reports a wrong type)."""
+    plugins: list[str] = []
+    for delta, _ in deltas:
+        trainer = delta.get("trainer") if isinstance(delta, dict) else None
+        if isinstance(trainer, dict) and "plugins" in trainer:
+            value = trainer["plugins"]
+            plugins = list(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else []
+    return plugins
+
+
+def _import_plugins(plugins: list[str]) -> list[str]:
+    """Import ``trainer.plugins``; returns the entries with file paths made absolute.
 
     Raises:
         UserError: a plugin cannot be imported (one line naming it), before anything else is checked.
     """
     from hybridflow.plugins import import_plugins, resolve_plugins
 
-    plugins = resolve_plugins(cfg.trainer.plugins)
-    cfg.trainer.plugins = plugins
-    import_plugins(plugins)
+    resolved = resolve_plugins(plugins)
+    import_plugins(resolved)
+    return resolved
 
 
 def _make_paths_absolute(cfg: DictConfig) -> None:
@@ -300,9 +327,12 @@ def _schema_paths(cls: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_ALL_PATHS = _schema_paths(HybridFlowConfig)
-_SCHEMA_DEFAULTS = OmegaConf.structured(HybridFlowConfig, flags={"readonly": True})
-_LEAF_PATHS = [p for p, hint in _ALL_PATHS.items() if not dataclasses.is_dataclass(hint)]
+@functools.cache
+def _schema_info(schema: type) -> tuple[dict[str, Any], DictConfig, list[str]]:
+    """``(every dotted key -> annotation, the read-only defaults, the leaf keys)`` of an assembled schema."""
+    all_paths = _schema_paths(schema)
+    defaults = OmegaConf.structured(schema, flags={"readonly": True})
+    return all_paths, defaults, [p for p, hint in all_paths.items() if not dataclasses.is_dataclass(hint)]
 
 
 def _type_name(hint: Any) -> str:
@@ -348,7 +378,7 @@ def _parse_override(item: str) -> dict:
 
 
 def _merge(cfg: DictConfig, delta: dict, cls: type, prefix: str, source: str,
-           problems: list[str], bad_paths: set[str]) -> None:
+           problems: list[str], bad_paths: set[str], all_paths: dict[str, Any]) -> None:
     """Apply ``delta`` (a plain nested dict) onto the section ``prefix`` of ``cfg``, whose dataclass is ``cls``.
 
     Unknown keys and values of the wrong type are appended to ``problems`` (and their paths to ``bad_paths``)
@@ -358,7 +388,7 @@ def _merge(cfg: DictConfig, delta: dict, cls: type, prefix: str, source: str,
     for key, value in delta.items():
         path = f"{prefix}{key}"
         if key not in hints:
-            problems.append(_unknown_key_problem(path, str(key), list(hints), source))
+            problems.append(_unknown_key_problem(path, str(key), list(hints), source, all_paths))
             bad_paths.add(path)
             continue
         hint = hints[key]
@@ -366,7 +396,7 @@ def _merge(cfg: DictConfig, delta: dict, cls: type, prefix: str, source: str,
             if value is None:  # an empty section in YAML (`critic:` with all its keys commented out)
                 continue
             if isinstance(value, dict):
-                _merge(cfg, value, hint, f"{path}.", source, problems, bad_paths)
+                _merge(cfg, value, hint, f"{path}.", source, problems, bad_paths, all_paths)
             else:
                 problems.append(f"{path}: expected a section (a mapping of its keys), got {value!r} (from {source})")
                 bad_paths.add(path)
@@ -385,7 +415,7 @@ def _ratio(a: str, b: str) -> float:
     return difflib.SequenceMatcher(None, a, b).ratio()
 
 
-def _unknown_key_problem(path: str, key: str, siblings: list[str], source: str) -> str:
+def _unknown_key_problem(path: str, key: str, siblings: list[str], source: str, all_paths: dict[str, Any]) -> str:
     prefix = path[: len(path) - len(key)]
     message = f"{path}: unknown key (from {source})"
     if path in REMOVED_KEYS:
@@ -398,7 +428,7 @@ def _unknown_key_problem(path: str, key: str, siblings: list[str], source: str) 
     if sibling_score >= 0.6:
         suggestions.append(prefix + sibling)
     if sibling_score < 0.8:  # a poor local match: the key may sit in another section
-        best = max(_ALL_PATHS, key=lambda p: (_ratio(key, p.rsplit(".", 1)[-1]), _ratio(path, p)))
+        best = max(all_paths, key=lambda p: (_ratio(key, p.rsplit(".", 1)[-1]), _ratio(path, p)))
         if _ratio(key, best.rsplit(".", 1)[-1]) >= 0.6 and best not in suggestions:
             suggestions.append(best)
     if suggestions:
@@ -414,7 +444,7 @@ class _Skip(Exception):
     """A value a check needs was already reported as invalid."""
 
 
-def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
+def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> list[str]:
     def get(path: str) -> Any:
         if path in bad_paths:
             raise _Skip
@@ -425,7 +455,9 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
         checks += [lambda p=p, ok=predicate, req=requirement: [] if ok(get(p)) else [f"{p}: {req}, got {get(p)}"]
                    for p in paths]
     checks += [lambda p=p, allowed=allowed: choice_problems(p, get(p), allowed) for p, allowed in CHOICES.items()]
-    checks += [lambda p=p: _name_problems(get, p) for p in NAME_SOURCES]
+    defaults = _schema_info(schema)[1]
+    checks += [lambda p=p: _name_problems(get, p, defaults) for p in NAME_SOURCES]
+    checks += [lambda fn=fn: fn(get) for _, fn in entry_checks()]  # each registry entry's checks of its own keys
 
     def critic_batch_problems() -> list[str]:
         trained = need_critic_for(get("critic.enable"), get("algorithm.adv_estimator"))
@@ -447,7 +479,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str]) -> list[str]:
     return problems
 
 
-def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
+def _name_problems(get: Callable[[str], Any], path: str, defaults: DictConfig) -> list[str]:
     """Check the value of ``path`` against its registry or name table in ``NAME_SOURCES``.
 
     A value equal to the schema default is not looked up: the package registers its defaults itself (a test
@@ -456,7 +488,7 @@ def _name_problems(get: Callable[[str], Any], path: str) -> list[str]:
     skips the check here; the trainer then reports a bad name when it looks it up.
     """
     name = get(path)
-    if name == _get(_SCHEMA_DEFAULTS, path):
+    if name == _get(defaults, path):
         return []  # a backend's missing package (vllm) is reported by rollout_package_problems
     module, attribute = NAME_SOURCES[path]
     try:

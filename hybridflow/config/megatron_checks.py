@@ -1,34 +1,61 @@
-"""Load-time checks of the ``*.megatron`` sections (strategy=megatron); the per-role engine layout the workers
-build from them is :func:`hybridflow.training.engine_layout`."""
+"""Load-time checks of the ``*.megatron`` layout sections, decided by each role's engine registration (its
+``layout_section``, ``requires_package`` and ``install_hint`` metadata, :mod:`hybridflow.training`); the per-role
+engine layout the workers build from them is :func:`hybridflow.training.engine_layout`."""
 
 from __future__ import annotations
 
 import importlib.util
 from typing import Any, Callable
 
-__all__ = ["MEGATRON_SECTIONS", "megatron_problems"]
+from hybridflow.config.schema import ActorConfig
 
-#: megatron section -> (its strategy key, the layouts role whose pool it runs on)
+__all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "megatron_problems"]
+
+#: a role's config section -> (its strategy key, the layouts role whose pool it runs on)
 MEGATRON_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strategy", "actor"),
                      "actor_rollout_ref.ref": ("actor_rollout_ref.actor.strategy", "reference"),
                      "critic": ("critic.strategy", "critic")}
+LAYOUT_SECTION = "megatron"  # the (tp, pp) sub-section an engine reads when its registration has this layout_section
+DEFAULT_STRATEGY = ActorConfig.strategy  # the schema's default strategy (registered by hybridflow.training itself)
 
 
-def _installed() -> bool:
+def _installed(package: str) -> bool:
     try:
-        return importlib.util.find_spec("megatron.core") is not None
+        return importlib.util.find_spec(package) is not None
     except ModuleNotFoundError:
         return False
 
 
-def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str, ranks: int) -> list[str]:
-    key = f"{section}.megatron"
+def _engine_meta() -> Callable[[str, str], Any]:
+    """``meta(engine, key)``: a registration's metadata of the training-engine registry (None for an unknown engine,
+    which :func:`hybridflow.config.checks.strategy_problems` reports). Imports the registry (and Ray with it)."""
+    from hybridflow.registry import UnknownNameError
+    from hybridflow.training import ENGINES
+
+    def meta(engine: str, key: str) -> Any:
+        try:
+            return ENGINES.meta(engine, key)
+        except UnknownNameError:
+            return None
+
+    return meta
+
+
+def _readers() -> str:
+    from hybridflow.training import ENGINES
+
+    return " | ".join(ENGINES.names(layout_section=LAYOUT_SECTION)) or "(none registered)"
+
+
+def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str, ranks: int,
+                      reads: bool) -> list[str]:
+    key = f"{section}.{LAYOUT_SECTION}"
     tp, pp = get(f"{key}.tensor_model_parallel_size"), get(f"{key}.pipeline_model_parallel_size")
     if min(tp, pp) < 1:
         return [f"{key}: tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1, got {tp}, {pp}"]
-    if get(strategy_key) != "megatron":
+    if not reads:
         return [] if (tp, pp) == (1, 1) else [
-            f"{key} (tp {tp}, pp {pp}) is read only with strategy=megatron, but {strategy_key}={get(strategy_key)}"]
+            f"{key} (tp {tp}, pp {pp}) is read only with strategy={_readers()}, but {strategy_key}={get(strategy_key)}"]
     if ranks % (tp * pp):
         return [f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} must divide the "
                 f"role's {ranks} ranks"]
@@ -36,24 +63,35 @@ def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str
 
 
 def megatron_problems(get: Callable[[str], Any]) -> list[str]:
-    """strategy=megatron needs megatron-core; each ``*.megatron`` layout must divide its role's ranks; the
-    reference shares the actor's (tp, pp) (one process, one Megatron parallel state); the fsdp2-only
-    ``actor.tensor_model_parallel_size`` stays 1 with megatron."""
+    """Each role's engine (its ``strategy``) decides from its registration's metadata: ``requires_package`` (+
+    ``install_hint``) must be installed; a ``*.megatron`` layout is read by an engine with
+    ``layout_section="megatron"`` and must then divide its role's ranks, else stay (1, 1); the reference shares the
+    actor's (tp, pp) (one process, one parallel state); the DTensor ``actor.tensor_model_parallel_size`` stays 1
+    with such an engine. All defaults (every strategy the schema's, every layout (1, 1)) need no registry lookup."""
     from hybridflow.config.layouts import _pool_ranks
 
-    problems: list[str] = []
     strategies = {section: get(key) for section, (key, _) in MEGATRON_SECTIONS.items()}
-    if "megatron" in strategies.values() and not _installed():
-        problems.append('strategy=megatron needs megatron-core: pip install -e ".[megatron]"')
+    sizes = {section: (get(f"{section}.{LAYOUT_SECTION}.tensor_model_parallel_size"),
+                       get(f"{section}.{LAYOUT_SECTION}.pipeline_model_parallel_size")) for section in strategies}
+    if all(s == DEFAULT_STRATEGY for s in strategies.values()) and all(v == (1, 1) for v in sizes.values()):
+        return []
+    meta = _engine_meta()
+    problems: list[str] = []
+    for engine in dict.fromkeys(strategies.values()):
+        package = meta(engine, "requires_package")
+        if package and not _installed(package):
+            problems.append(f"strategy={engine} needs {meta(engine, 'install_hint') or f'pip install {package}'}")
+    reads = {section: meta(engine, "layout_section") == LAYOUT_SECTION for section, engine in strategies.items()}
     for section, (key, role) in MEGATRON_SECTIONS.items():
-        problems += _section_problems(get, section, key, _pool_ranks(get, role))
-    actor, ref = "actor_rollout_ref.actor.megatron", "actor_rollout_ref.ref.megatron"
-    if strategies["actor_rollout_ref.actor"] == "megatron":
-        sizes = [(get(f"{s}.tensor_model_parallel_size"), get(f"{s}.pipeline_model_parallel_size")) for s in (actor, ref)]
-        if sizes[1] != (1, 1) and sizes[0] != sizes[1]:
-            problems.append(f"{ref} (tp, pp)={sizes[1]} must equal {actor} {sizes[0]} (or stay 1, 1): the "
-                            "reference shares the actor's process and Megatron parallel state")
+        problems += _section_problems(get, section, key, _pool_ranks(get, role), reads[section])
+    actor, ref = f"actor_rollout_ref.actor.{LAYOUT_SECTION}", f"actor_rollout_ref.ref.{LAYOUT_SECTION}"
+    if reads["actor_rollout_ref.actor"]:
+        engine = strategies["actor_rollout_ref.actor"]
+        actor_size, ref_size = sizes["actor_rollout_ref.actor"], sizes["actor_rollout_ref.ref"]
+        if ref_size != (1, 1) and actor_size != ref_size:
+            problems.append(f"{ref} (tp, pp)={ref_size} must equal {actor} {actor_size} (or stay 1, 1): the "
+                            "reference shares the actor's process and parallel state")
         if get("actor_rollout_ref.actor.tensor_model_parallel_size") != 1:
-            problems.append("actor_rollout_ref.actor.tensor_model_parallel_size is the fsdp2 tp; with "
-                            f"strategy=megatron set {actor}.tensor_model_parallel_size instead")
+            problems.append("actor_rollout_ref.actor.tensor_model_parallel_size is the DTensor tp of engines without "
+                            f"a layout section; with strategy={engine} set {actor}.tensor_model_parallel_size instead")
     return problems

@@ -87,8 +87,8 @@ class ActorConfig:
     clip_ratio_low: Optional[float] = None  # lower clip epsilon (asymmetric clipping)
     clip_ratio_high: Optional[float] = None  # upper clip epsilon (asymmetric clipping)
     clip_ratio_c: float = 3.0  # dual-clip constant c > 1 for negative advantages (Ye et al. 2020)
-    policy_loss: str = "vanilla"  # policy-loss registry name
-    aipo_rho: float = 4.0  # AIPO cap rho on the importance weight pi/mu (policy_loss=aipo; LlamaRL suggests 2-10)
+    # policy-loss registry name; a loss's own keys (aipo_rho, icepop_alpha ...) join this section from its registration
+    policy_loss: str = "vanilla"
     # truncated importance sampling: weight vanilla/gspo token losses by min(exp(old - rollout logprob), cap); <= 0 off
     tis_imp_ratio_cap: float = -1.0
     # the ratio TIS truncates: token (min(rho_t, cap) per token) | sequence (Seq-TIS: min(prod_t rho_t, cap) on every
@@ -101,10 +101,6 @@ class ActorConfig:
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Optional[float] = None  # MIS upper bound on rho; null = 2.0 (verl's rollout_is_threshold)
     rollout_rs_threshold_lower: Optional[float] = None  # MIS lower bound on rho; null = 1 / rollout_rs_threshold (verl)
-    # policy_loss=icepop (IcePop, arXiv 2510.18855): tokens whose pi_old / mu is outside [icepop_alpha, icepop_beta] are
-    # masked out of the loss, the rest weighted by pi_old / mu; the paper's band is [0.5, 5]
-    icepop_alpha: float = 0.5  # IcePop lower bound alpha >= 0 on pi_old / mu
-    icepop_beta: float = 5.0  # IcePop upper bound beta > alpha on pi_old / mu
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     # the constant L of seq-mean-token-sum-norm (Dr. GRPO): per-sequence token sums are divided by L; null means
     # data.max_response_length (never the padded width of a batch)
@@ -152,6 +148,8 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
+    # the settings every backend reads; a backend's own keys (vllm: gpu_memory_utilization, enforce_eager, ...)
+    # join this section from its registration's config dataclass (hybridflow/rollout/vllm_config.py)
     name: str = "hf"  # rollout backend registry name: hf | vllm
     n: int = 1  # samples per prompt
     do_sample: bool = True  # sample (false: greedy decoding)
@@ -165,13 +163,6 @@ class RolloutConfig:
     # cache (same logits, fewer operators: hybridflow/rollout/fast_decode.py); false = transformers' forward
     fast_decode: bool = True
     tensor_model_parallel_size: int = 1  # generation tp_g (dp_g = ranks / tp_g); the 3D-HybridEngine reshards
-    # vllm rollout: fraction of each GPU's memory the engine may use (weights, activations, KV cache), when
-    # kv_cache_memory_bytes is null (verl's key)
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True  # vllm rollout: no CUDA graphs / torch.compile (faster start, less memory; verl's key)
-    # vllm rollout: bytes of KV cache per engine, instead of sizing it by gpu_memory_utilization (vLLM's engine
-    # argument); null: by gpu_memory_utilization on GPU, 256 MiB on CPU (or VLLM_CPU_KVCACHE_SPACE GiB)
-    kv_cache_memory_bytes: Optional[int] = None
     update_weights_bucket_megabytes: int = 64  # bound on the bytes a rank sends + receives per reshard bucket
     # with model.lora_rank > 0, what reaches the rollout after an update: merged (W + (alpha/r) B A, full weights,
     # any backend) | adapter (A and B only, far fewer bytes; hf and vllm rollouts and async generators, not int8)
@@ -228,39 +219,17 @@ class KLCtrlConfig:
 
 
 @dataclass
-class LagrangianConfig:
-    # Safe-RLHF (Dai et al. 2023) multiplier lambda of the constraint "mean episode cost <= threshold"
-    threshold: float = 0.0  # cost limit d: the constraint is mean episode cost <= threshold
-    lambda_init: float = 1.0  # initial lambda (> 0; kept as log lambda)
-    lambda_lr: float = 0.1  # ascent step on log lambda per unit of constraint violation, per training step
-    lambda_max: Optional[float] = None  # upper bound on lambda; None means unbounded
-    # lower bound on lambda (0 <= lambda_min <= lambda_init; 0: none): bounds the steps lambda needs to recover
-    # after a long stretch below the threshold (not in the paper; its lambda only stays >= 0)
-    lambda_min: float = 0.01
-    episode_cost_window_size: int = 128  # the latest N episode costs are averaged for the update
-
-
-@dataclass
-class FilterGroupsConfig:
-    # DAPO dynamic sampling (Yu et al. 2025, sec. 3.2): drop groups whose responses all got the same metric and
-    # generate from further prompt batches until data.train_batch_size informative groups are gathered
-    enable: bool = False
-    metric: str = "acc"  # acc | score (the task score before overlong shaping) | seq_reward (after shaping)
-    max_num_gen_batches: int = 0  # generation batches allowed per step; <= 0 means no limit (as in verl)
-    on_limit: str = "error"  # at the limit with too few groups: error (stop, verl's way) | train (on those found)
-
-
-@dataclass
 class AlgorithmConfig:
     # which driver runs the step (driver registry; a plugin may add one): ppo (the PPO family: gae, grpo, rloo,
     # reinforce_plus_plus, ...), remax (greedy baseline, Li et al. 2023), safe_rlhf (reward + cost critics and a
     # Lagrange multiplier, Dai et al. 2023) or async (the PPO family with generators on their own devices running
-    # ahead of the trainer; async_training)
+    # ahead of the trainer; async_training). A driver's own keys (algorithm.lagrangian of safe_rlhf,
+    # algorithm.filter_groups of ppo, the async_training section) come from its registration (trainer/driver_config.py)
     driver: str = "ppo"
-    adv_estimator: str = "gae"  # advantage-estimator registry name
+    # advantage-estimator registry name; an estimator's own keys (grpo: norm_adv_by_std_in_grpo) join this section
+    adv_estimator: str = "gae"
     gamma: float = 1.0  # discount
     lam: float = 1.0  # GAE lambda
-    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std
     use_kl_in_reward: bool = False  # subtract beta * KL(actor || ref) from the token rewards
     # use the rollout's sampling logprobs as old_log_probs instead of recomputing them with the actor (saves a
     # forward; like verl's rollout-correction bypass mode and LlamaRL, whose AIPO needs only mu)
@@ -271,8 +240,6 @@ class AlgorithmConfig:
     recompute_old_log_prob: str = "auto"
     kl_penalty: str = "kl"  # estimator for the in-reward KL: kl | abs | mse | low_var_kl
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
-    lagrangian: LagrangianConfig = field(default_factory=LagrangianConfig)  # used by driver safe_rlhf
-    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)  # DAPO dynamic sampling (ppo)
 
 
 @dataclass
@@ -397,16 +364,6 @@ class ParallelLayoutConfig:
 
 
 @dataclass
-class AsyncTrainingConfig:
-    # algorithm.driver=async (LlamaRL, arXiv 2505.24034): generators on their own pool (resource_pool.mapping.
-    # generator) keep sampling while the trainer (the actor's pool) updates; weights are pushed after every update
-    max_staleness: int = 1  # k: a sample of policy version v is trained on only while the trainer's version <= v + k
-    queue_size: Optional[int] = None  # generation requests (batches) in flight; None means max_staleness + 1
-    generator_quantization: str = "none"  # none | int8 (generator weights int8 per output channel; hf backend)
-    weight_sync_timeout_s: float = 60.0  # a weight transfer waiting longer (a dead or missing peer) raises
-
-
-@dataclass
 class HybridFlowConfig:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
@@ -417,4 +374,3 @@ class HybridFlowConfig:
     resource_pool: ResourcePoolConfig = field(default_factory=ResourcePoolConfig)
     layouts: ParallelLayoutConfig = field(default_factory=ParallelLayoutConfig)  # written by `hybridflow plan`
     cost_model: CostConfig = field(default_factory=CostConfig)  # the cost of driver safe_rlhf
-    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)  # driver async

@@ -17,13 +17,12 @@ from pathlib import Path
 import yaml
 
 from hybridflow.mapping.abilities import ENGINE_ABILITIES, Abilities
+from hybridflow.mapping.flows import dataflow_of
 from hybridflow.mapping.search import Plan, pack_sets
 from hybridflow.mapping.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, SpecError, Workload
 
 __all__ = ["plan_problems", "plan_to_config", "plan_to_yaml", "write_config"]
 
-#: algorithm.adv_estimator of the algorithms whose dataflow the plan assumed (Safe-RLHF has its own driver)
-ADV_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 #: plan role -> the config's worker role (resource_pool.mapping key); the reference runs in the actor's process
 CONFIG_ROLES = {"actor": "actor", "critic": "critic", "reward": "reward_model", "cost": "cost_model",
                 "cost_critic": "cost_critic"}
@@ -166,8 +165,9 @@ def _algorithm_keys(algorithm: str, notes: list[str]) -> dict[str, str]:
     driver = driver_for_plan(algorithm)
     if driver is not None:
         keys["driver"] = driver
-    if algorithm in ADV_ESTIMATORS:
-        keys["adv_estimator"] = ADV_ESTIMATORS[algorithm]
+    estimator = dataflow_of(algorithm).adv_estimator  # the planned dataflow's (None: the driver's own choice)
+    if estimator is not None:
+        keys["adv_estimator"] = estimator
     elif driver is None:
         notes.append(f"algorithm: planned for {algorithm}; choose its driver and estimator yourself")
     return keys

@@ -16,8 +16,11 @@ import functools
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from hybridflow.mapping.flows import RolesByAlgorithm
 
 __all__ = [
     "ALGORITHMS", "ClusterSpec", "DEVICE_PRESETS", "DeviceSpec", "MODEL_PRESETS", "ModelSpec", "SpecError",
@@ -263,13 +266,8 @@ def get_model(name_or_path: str) -> ModelSpec:
     return ModelSpec.from_hf_config(config.get("text_config", config), name=str(name_or_path))
 
 
-#: algorithm -> the roles whose models it runs (``Workload.algorithm``)
-ALGORITHMS: dict[str, tuple[str, ...]] = {
-    "ppo": ("actor", "critic", "reference", "reward"),
-    "remax": ("actor", "reference", "reward"),
-    "safe-rlhf": ("actor", "critic", "reference", "reward", "cost", "cost_critic"),
-    "grpo": ("actor", "reference", "reward"),
-}
+#: algorithm -> the roles whose models it runs (``Workload.algorithm``; a view of the dataflow registry)
+ALGORITHMS: Mapping[str, tuple[str, ...]] = RolesByAlgorithm()
 
 
 @dataclass(frozen=True)
@@ -277,7 +275,8 @@ class Workload:
     """One RL iteration.
 
     Attributes:
-        algorithm: ``ppo`` | ``remax`` | ``safe-rlhf`` | ``grpo`` (see ``hybridflow.mapping.dataflow``).
+        algorithm: a registered planned algorithm (:mod:`hybridflow.mapping.flows`: ``ppo`` | ``remax`` |
+            ``safe-rlhf`` | ``grpo`` and any a plugin registers).
         batch: prompts per iteration.
         n: responses sampled per prompt (GRPO's group size).
         prompt_len, response_len: tokens per prompt and per response (responses run to full length).

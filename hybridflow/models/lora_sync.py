@@ -24,21 +24,18 @@ from hybridflow.models import lora as lora_lib
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_BACKENDS = ("hf", "vllm")  # rollout backends that take adapters (lora_sync=adapter)
 PROBE_NAME = "hybridflow.lora_sync_probe"  # the trainer's probe logprobs (1, PROBE_LENGTH) fp32 in an async push
 
 
-def rollout_takes_adapters(config: Any) -> bool:
+def rollout_takes_adapters(config: Any, backend_takes_adapters: bool, int8_generators: bool) -> bool:
     """Whether the rollout (colocated, or the async driver's generators) receives adapters rather than merged
-    weights: LoRA on, ``rollout.lora_sync=adapter``, a backend in :data:`ADAPTER_BACKENDS`, and not an int8
-    generator. A pure function of the run config, so the trainer and the generators agree on the payload."""
+    weights: LoRA on, ``rollout.lora_sync=adapter``, a backend that takes adapters (``backend_takes_adapters``: its
+    registration's ``lora_adapter_sync``) and generators not quantized to int8 (``int8_generators``). A pure function
+    of the run config and those registry facts, so the trainer and the generators agree on the payload."""
     cfg = config.actor_rollout_ref
     if not lora_lib.lora_enabled(cfg.model) or cfg.rollout.lora_sync != "adapter":
         return False
-    if cfg.rollout.name not in ADAPTER_BACKENDS:
-        return False
-    quantized = config.algorithm.driver == "async" and config.async_training.generator_quantization == "int8"
-    return not quantized
+    return backend_takes_adapters and not int8_generators
 
 
 def rollout_lora_options(model: Any, adapters: bool) -> dict[str, Any]:

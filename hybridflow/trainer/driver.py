@@ -23,7 +23,11 @@ Registry metadata (read with ``DRIVERS.meta(name, key)``, so no code decides on 
 ``overlong_buffer``); ``owns_estimators``: advantage estimators only this driver can feed (ReMax's greedy baseline);
 ``planned_as``: the auto-mapper's ``Workload.algorithm`` names whose dataflow this driver runs;
 ``trains_on_current_samples``: every update runs on samples of exactly the weights being updated (the old-logprob
-forward may then be skipped, :mod:`hybridflow.trainer.old_log_prob`).
+forward may then be skipped, :mod:`hybridflow.trainer.old_log_prob`); ``config``: a dataclass of the driver's own
+hyper-parameters, keys of ``algorithm`` (or of the section named by ``config_section``, ``""`` for the top level),
+with ``config_checks`` validating them at load (:mod:`hybridflow.registry`); ``dataflow``: ``{planned name:
+:class:`~hybridflow.mapping.flows.Dataflow`}``, registered as the auto-mapper's planned algorithms and added to
+``planned_as`` (the built-in drivers' dataflows are registered by :mod:`hybridflow.mapping.flows` itself).
 
 User drivers: subclass :class:`Driver` in a module of your own, decorate it with ``@register_driver("name")``,
 list the module in ``trainer.plugins`` and set ``algorithm.driver=name``.
@@ -161,7 +165,7 @@ def _check_driver(name: str, obj: Any) -> None:
         raise TypeError(f"driver {name!r} must be a subclass of hybridflow.trainer.driver.Driver, got {obj!r}")
 
 
-DRIVERS: Registry = Registry("driver", check=_check_driver)
+DRIVERS: Registry = Registry("driver", check=_check_driver, config_section="algorithm")
 _ORDER: list[str] = []  # driver names in registration order (built-ins first), for messages
 _loaded = False
 
@@ -172,8 +176,16 @@ def register_driver(name: str, **meta: Any) -> Callable[[type], type]:
 
     Raises:
         ValueError: the name is taken by another class.
-        TypeError: the class is not a :class:`Driver` subclass.
+        TypeError: the class is not a :class:`Driver` subclass, or a ``dataflow`` value is not a ``Dataflow``.
     """
+    flows = meta.pop("dataflow", None) or {}
+    if flows:  # the auto-mapper's planned algorithms this driver runs (hybridflow.mapping.flows)
+        from hybridflow.mapping.flows import register_dataflow
+
+        for planned, flow in flows.items():
+            register_dataflow(planned, flow)
+        meta["planned_as"] = tuple(meta.get("planned_as", ())) + tuple(p for p in flows if p not in
+                                                                         meta.get("planned_as", ()))
     register = DRIVERS.register(name, **meta)
 
     def decorator(cls: type) -> type:

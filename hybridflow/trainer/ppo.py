@@ -29,6 +29,7 @@ from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto
 from hybridflow.trainer.balance import balance_order
 from hybridflow.trainer.driver import Driver, Role, register_driver
+from hybridflow.trainer.driver_config import PPODriverConfig, ppo_config_problems
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.steps import (add_worker_time, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
@@ -64,7 +65,8 @@ def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str
 
 
 @register_driver("ppo", features=("bypass_old_log_prob", "filter_groups", "overlong_buffer"),
-                 planned_as=("ppo", "grpo"), trains_on_current_samples=True)
+                 planned_as=("ppo", "grpo"), trains_on_current_samples=True,
+                 config=PPODriverConfig, config_checks=ppo_config_problems)
 class PPOTrainer(Driver):
     """Args:
         config: the validated run config.

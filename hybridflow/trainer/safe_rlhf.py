@@ -20,6 +20,7 @@ from typing import Any
 from hybridflow.algorithms import LagrangeMultiplier, compute_safe_rlhf_advantage, get_adv_estimator_fn, masked_whiten
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
+from hybridflow.trainer.driver_config import SafeRLHFDriverConfig, safe_rlhf_config_problems
 from hybridflow.trainer.ppo import CRITIC, SCORE_MODEL, PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
 from hybridflow.trainer.validate import validate
 from hybridflow.trainer.worker_inputs import critic_args, score_model_args
@@ -28,7 +29,8 @@ from hybridflow.utils.timer import timer
 _CRITIC_INPUTS = ["input_ids", "attention_mask", "position_ids", "responses", "response_mask"]
 
 
-@register_driver("safe_rlhf", planned_as=("safe-rlhf",))
+@register_driver("safe_rlhf", planned_as=("safe-rlhf",), config=SafeRLHFDriverConfig,
+                 config_checks=safe_rlhf_config_problems)
 class SafeRLHFTrainer(Driver):
     """Args:
         config: the validated run config (``algorithm.driver=safe_rlhf``, ``adv_estimator=gae``; the multiplier

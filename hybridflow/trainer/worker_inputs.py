@@ -38,6 +38,20 @@ def actor_tokenizer(config: DictConfig) -> TokenizerSource:
     return TokenizerSource(path=str(model.tokenizer_path or model.path), trust_remote_code=bool(model.trust_remote_code))
 
 
+def rollout_lora_adapters(config: DictConfig) -> bool:
+    """Whether the rollout receives LoRA adapters (:func:`hybridflow.models.lora_sync.rollout_takes_adapters`), with
+    the registry facts it needs: the backend's ``lora_adapter_sync`` and whether the driver's generators are int8
+    (driver metadata ``int8_generators_key``: the key that quantizes them, e.g. async_training.generator_quantization)."""
+    from hybridflow.rollout import rollout_meta
+    from hybridflow.trainer.driver import DRIVERS, driver_registry
+
+    driver_registry()
+    key = DRIVERS.meta(str(config.algorithm.driver), "int8_generators_key")
+    int8 = key is not None and OmegaConf.select(config, key) == "int8"
+    takes = bool(rollout_meta(str(config.actor_rollout_ref.rollout.name), "lora_adapter_sync", False))
+    return lora_sync.rollout_takes_adapters(config, takes, int8)
+
+
 def actor_args(config: DictConfig, total_steps: int, role: str = "actor_rollout_ref") -> tuple:
     """``ActorRolloutRefWorker(actor_rollout_ref, ActorInputs, role)``."""
     data = config.data
@@ -47,7 +61,7 @@ def actor_args(config: DictConfig, total_steps: int, role: str = "actor_rollout_
         nonfinite_grad=str(config.trainer.nonfinite_grad), max_prompt_length=int(data.max_prompt_length),
         max_response_length=int(data.max_response_length),
         loss_scale_factor=float(actor.loss_scale_factor or data.max_response_length),  # Dr. GRPO's constant L
-        rollout_lora_adapters=lora_sync.rollout_takes_adapters(config),
+        rollout_lora_adapters=rollout_lora_adapters(config),
         weight_sync_timeout_s=float(config.async_training.weight_sync_timeout_s))
     return section(config, "actor_rollout_ref"), inputs, role
 
@@ -72,7 +86,7 @@ def generator_args(config: DictConfig, total_steps: int) -> tuple:
     ``total_steps`` is unused)."""
     inputs = GeneratorInputs(max_prompt_length=int(config.data.max_prompt_length),
                              max_response_length=int(config.data.max_response_length),
-                             rollout_lora_adapters=lora_sync.rollout_takes_adapters(config))
+                             rollout_lora_adapters=rollout_lora_adapters(config))
     return section(config, "actor_rollout_ref"), section(config, "async_training"), inputs
 
 

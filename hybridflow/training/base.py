@@ -302,6 +302,11 @@ ENGINES: Registry[type[TrainEngine]] = Registry("training engine", check=_check_
 def register_engine(name: str, **meta: Any) -> Callable[[type[TrainEngine]], type[TrainEngine]]:
     """Class decorator registering a :class:`TrainEngine` subclass under ``name`` (the ``strategy`` value).
 
+    Metadata the config checks read (so no check decides on an engine's name): ``layout_section`` (the
+    sub-section of a role's config holding its (tp, pp) layout: ``"megatron"``), ``config_subsection`` (another
+    sub-section it reads: fsdp2's ``"fsdp_config"``), ``requires_package`` and ``install_hint`` (a config naming
+    the engine without that package is refused at load).
+
     Raises:
         TypeError: the class is not a TrainEngine subclass.
         ValueError: ``name`` is taken by another class.

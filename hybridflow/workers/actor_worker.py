@@ -26,6 +26,7 @@ model exists only from a ``generate_sequences`` call to the next training step, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -73,25 +74,18 @@ def setup_worker_process() -> None:
 
 def make_rollout_config(rollout: ConfigSection, max_response_length: int, lora_rank: int = 0,
                         lora_alpha: float = 16.0) -> SimpleNamespace:
-    """The rollout backend's sampling config (see :class:`hybridflow.rollout.HFRollout`) from the
-    ``actor_rollout_ref.rollout`` section, ``data.max_response_length`` and the LoRA adapter payload's rank and alpha
-    (:func:`hybridflow.models.lora_sync.rollout_lora_options`; rank 0: merged or full weights)."""
-    return SimpleNamespace(
-        response_length=max_response_length,
-        n=rollout.n,
-        do_sample=rollout.do_sample,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
-        micro_batch_size=rollout.micro_batch_size_per_gpu,
-        fast_decode=rollout.fast_decode,
-        tensor_model_parallel_size=rollout.tensor_model_parallel_size,
-        weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
-        gpu_memory_utilization=rollout.gpu_memory_utilization,  # vllm engine
-        enforce_eager=rollout.enforce_eager,
-        kv_cache_memory_bytes=rollout.kv_cache_memory_bytes,
-        lora_rank=lora_rank, lora_alpha=lora_alpha,  # LoRA adapters for a backend with its own engine (vllm)
-    )
+    """The rollout backend's config: every key of the ``actor_rollout_ref.rollout`` section under its own name (so a
+    backend's own keys, declared by its registration's ``config=``, reach it without being listed here), plus the
+    values derived from elsewhere: ``response_length`` (``data.max_response_length``), ``micro_batch_size``
+    (``micro_batch_size_per_gpu``), ``weight_bucket_bytes`` (``update_weights_bucket_megabytes`` in bytes) and the
+    LoRA adapter payload's rank and alpha (:func:`hybridflow.models.lora_sync.rollout_lora_options`; rank 0: merged
+    or full weights)."""
+    names = [f.name for f in dataclasses.fields(rollout)] if dataclasses.is_dataclass(rollout) else list(rollout.keys())
+    keys = {name: getattr(rollout, name) for name in names}  # the section: a dataclass object (or a config node)
+    return SimpleNamespace(**keys, response_length=max_response_length,
+                           micro_batch_size=rollout.micro_batch_size_per_gpu,
+                           weight_bucket_bytes=rollout.update_weights_bucket_megabytes << 20,
+                           lora_rank=lora_rank, lora_alpha=lora_alpha)
 
 
 def with_rank_seed(prompts: DataProto, gen_dp_rank: int) -> DataProto:

@@ -45,7 +45,7 @@ class ActorInputs:
         loss_scale_factor: the constant L of ``seq-mean-token-sum-norm``: ``actor.loss_scale_factor`` or
             ``data.max_response_length``.
         rollout_lora_adapters: the rollout (or the async generators) receives LoRA adapters rather than merged
-            weights (:func:`hybridflow.models.lora_sync.rollout_takes_adapters` of the run config).
+            weights (:func:`hybridflow.trainer.worker_inputs.rollout_lora_adapters` of the run config).
         weight_sync_timeout_s: ``async_training.weight_sync_timeout_s`` (the weight push of role ``actor_ref``).
     """
 

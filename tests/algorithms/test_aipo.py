@@ -7,7 +7,9 @@ import torch
 
 from hybridflow.algorithms import compute_policy_loss_aipo, get_policy_loss_fn
 from hybridflow.config import ConfigError, load_config
-from hybridflow.config.schema import ActorConfig
+from hybridflow.config.assemble import section_class
+
+ActorConfig = section_class("actor_rollout_ref.actor")  # with every registered policy loss's keys
 
 RHO = 2.0
 CFG = ActorConfig(aipo_rho=RHO)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from hybridflow.algorithms import compute_grpo_outcome_advantage, get_adv_estimator_fn
-from hybridflow.config.schema import AlgorithmConfig
+from hybridflow.config.assemble import section_class
+
+AlgorithmConfig = section_class("algorithm")  # with every registered estimator's and driver's keys
 
 
 def outcome_rewards(scores, lengths, length):

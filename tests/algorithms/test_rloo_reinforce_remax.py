@@ -17,7 +17,9 @@ from hybridflow.algorithms import (
     compute_rloo_outcome_advantage,
     get_adv_estimator_fn,
 )
-from hybridflow.config.schema import AlgorithmConfig
+from hybridflow.config.assemble import section_class
+
+AlgorithmConfig = section_class("algorithm")  # with every registered estimator's and driver's keys
 
 NAN = float("nan")
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from hybridflow.algorithms import get_policy_loss_fn, masked_token_fractions
-from hybridflow.config.schema import ActorConfig
+from hybridflow.config.assemble import section_class
+
+ActorConfig = section_class("actor_rollout_ref.actor")  # with every registered policy loss's keys
 
 NAN = float("nan")
 

