@@ -11,11 +11,10 @@ and under ``if TYPE_CHECKING:`` (an annotation that names a class of a higher la
 about it). A package's implicit import of its parents' ``__init__`` is not an edge.
 
 ``LAYERS`` is the order, one number per top-level module or package of ``hybridflow`` (a longer dotted key wins).
-It follows the house plan's numbering, with three places where the code teaches a better order:
+It follows the house plan's numbering (``mapping/`` below ``trainer/``: the mapper reads the planned algorithms'
+registered dataflows, :mod:`hybridflow.mapping.flows`, each naming its driver; a driver registration may add one),
+with two places where the code teaches a better order:
 
-* ``mapping/`` sits above ``trainer/`` (the plan had 10 mapping, 11 trainer): the auto-mapper reads what each driver
-  declares in the driver registry (its planned name, its dataflow), and no driver needs the mapper at run time
-  (the config applies a plan's layouts at load).
 * ``tools/`` sits below ``rollout/`` (the plan had 6 rollout, 6b tools): the multi-turn rollout calls the tools and
   builds its trajectory records from their results; a tool knows nothing of the rollout.
 * the modules the plan leaves out get a place: ``errors``, ``registry`` and ``plugins`` under everything (the
@@ -50,8 +49,8 @@ LAYERS: dict[str, float] = {
     "hybridflow.engine": 7,
     "hybridflow.rewards": 7.5, "hybridflow.data": 7.5,  # 7b
     "hybridflow.workers": 8, "hybridflow.evaluation": 8,
-    "hybridflow.trainer": 10,
-    "hybridflow.mapping": 11,  # above the trainer: it reads the driver registry
+    "hybridflow.mapping": 10,
+    "hybridflow.trainer": 11,
     "hybridflow.config": 12, "hybridflow.cli": 12, "hybridflow.__main__": 12,
 }
 

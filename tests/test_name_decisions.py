@@ -34,18 +34,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridflow"
 NAME_TABLES = (("hybridflow.algorithms", "LOSS_AGG_MODES"), ("hybridflow.algorithms", "KL_PENALTY_TYPES"))
-UNREGISTERED = {"fixed", "adaptive"}  # algorithm.kl_ctrl.type: the KL controllers (config helper makes a registry)
+UNREGISTERED: set[str] = set()  # names of a kind that has no registry (none: the KL controllers have one now)
 
-#: file -> the names it still decides on, until the config helper (issue 48 item 4) swaps them for metadata
-PENDING: dict[str, set[str]] = {
-    "config/megatron_checks.py": {"megatron"},  # strategy == "megatron"
-    "config/checks.py": {"fsdp2"},  # strategy == "fsdp2" (LoRA with reshard_after_forward=false)
-    "mapping/dataflow.py": {"ppo", "remax"},  # algo == "remax" / in ("ppo", "safe-rlhf")
-    "mapping/emit.py": {"gae", "grpo", "ppo", "remax"},  # the table {"ppo": "gae", "grpo": "grpo", "remax": ...}
-    "models/lora_sync.py": {"async", "hf", "vllm"},  # ADAPTER_BACKENDS = ("hf", "vllm"); driver == "async"
-    "algorithms/kl.py": {"fixed", "adaptive"},  # the if-chain of get_kl_controller
-    "config/loader.py": {"fixed", "adaptive"},  # CHOICES["algorithm.kl_ctrl.type"], the KL controllers' names
-}
+#: file -> the names it still decides on until it is swapped for registry metadata
+PENDING: dict[str, set[str]] = {}  # none left after the merge of the registries' own metadata
 
 #: file -> names it compares or tabulates that are no decision among registry entries (and why)
 UNRELATED: dict[str, set[str]] = {

@@ -40,6 +40,7 @@ from hybridflow.config.checks import (batch_problems, choice_problems, dapo_prob
                                       score_model_problems, strategy_problems, trained_model_problems)
 from hybridflow.config.assemble import assembled_schema, entry_checks
 from hybridflow.config.layouts import apply_layouts
+from hybridflow.registry import Registry
 from hybridflow.config.checks import lora_rollout_problems  # the rollout's side of lora_problems
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
@@ -51,7 +52,6 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "reward_model.combine": ("sum", "model"),
     "reward_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "cost_model.model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "data.truncation": ("error", "left", "right", "filter"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.nonfinite_grad": ("skip", "error"),
@@ -79,6 +79,7 @@ NAME_SOURCES: dict[str, tuple[str, str]] = {  # key -> (module, attribute): a re
     "actor_rollout_ref.rollout.name": ("hybridflow.rollout", "get_rollout_class"),
     "actor_rollout_ref.rollout.multi_turn.format": ("hybridflow.tools", "get_tool_format"),
     "cost_model.rule": ("hybridflow.rewards.cost", "get_cost_fn"),
+    "algorithm.kl_ctrl.type": ("hybridflow.algorithms.kl", "KL_CONTROLLERS"),
 }
 
 _POSITIVE = (  # counts that must be >= 1
@@ -495,6 +496,8 @@ def _name_problems(get: Callable[[str], Any], path: str, defaults: DictConfig) -
         source = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError):
         return []
+    if isinstance(source, Registry):  # its names are the choices (one message for every fixed set)
+        source = tuple(source.names())
     if not callable(source):
         return choice_problems(path, name, source)
     try:

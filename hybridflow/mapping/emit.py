@@ -158,11 +158,9 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
 
 
 def _algorithm_keys(algorithm: str, notes: list[str]) -> dict[str, str]:
-    """``algorithm.driver`` (the driver registry's ``planned_as``) and ``adv_estimator`` of a planned algorithm."""
-    from hybridflow.trainer.driver import driver_for_plan  # the registry (imported lazily: no trainer at import)
-
+    """``algorithm.driver`` and ``adv_estimator`` of a planned algorithm, as its registered dataflow declares them."""
     keys = {}
-    driver = driver_for_plan(algorithm)
+    driver = dataflow_of(algorithm).driver
     if driver is not None:
         keys["driver"] = driver
     estimator = dataflow_of(algorithm).adv_estimator  # the planned dataflow's (None: the driver's own choice)

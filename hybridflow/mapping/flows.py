@@ -2,10 +2,10 @@
 as a :class:`Dataflow` (the roles, which models each stage runs, the advantage estimator a plan writes), so that no
 code of the mapper decides on an algorithm's name.
 
-A driver says which dataflows it runs with its registration's ``planned_as`` (:mod:`hybridflow.trainer.driver`); a
-user driver that wants ``hybridflow plan`` registers its own dataflow here from its plugin module
-(:func:`register_dataflow`) or with ``register_driver(..., dataflow={"name": Dataflow(...)})``. The built-in ones are
-registered below, so the mapper works without importing the drivers (it is the lower layer).
+A dataflow names the driver that runs it (``Dataflow.driver``, the ``algorithm.driver`` a plan writes); a user driver
+that wants ``hybridflow plan`` registers its own dataflow with ``register_driver(..., dataflow={"name":
+Dataflow(...)})`` (which fills in the driver) or here from its plugin module (:func:`register_dataflow`). The built-in
+ones are registered below, so the mapper works without importing the drivers (it is the lower layer).
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ class Dataflow:
         greedy_baseline: the actor also generates B greedy responses, which the reward scores too (ReMax).
         cost_models: a cost model and a cost critic forward S, and the cost critic trains on S (Safe-RLHF).
         adv_estimator: the ``algorithm.adv_estimator`` a plan writes for it; None: the user chooses.
+        driver: the ``algorithm.driver`` a plan writes for it (a registered driver's name); None: the user chooses.
     """
 
     critic: bool = False
     greedy_baseline: bool = False
     cost_models: bool = False
     adv_estimator: Optional[str] = None
+    driver: Optional[str] = None
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -87,8 +89,9 @@ class RolesByAlgorithm(Mapping):
         return len(DATAFLOWS)
 
 
-register_dataflow("ppo", Dataflow(critic=True, adv_estimator="gae"))
-register_dataflow("grpo", Dataflow(adv_estimator="grpo"))  # as PPO without a critic; n responses per prompt
-register_dataflow("remax", Dataflow(greedy_baseline=True, adv_estimator="remax"))  # Li et al. 2023
+register_dataflow("ppo", Dataflow(critic=True, adv_estimator="gae", driver="ppo"))
+# as PPO without a critic; n responses per prompt
+register_dataflow("grpo", Dataflow(adv_estimator="grpo", driver="ppo"))
+register_dataflow("remax", Dataflow(greedy_baseline=True, adv_estimator="remax", driver="remax"))  # Li et al. 2023
 # Dai et al. 2023: its estimator is the driver's choice (reward and cost GAE)
-register_dataflow("safe-rlhf", Dataflow(critic=True, cost_models=True))
+register_dataflow("safe-rlhf", Dataflow(critic=True, cost_models=True, driver="safe_rlhf"))

@@ -180,10 +180,12 @@ def register_driver(name: str, **meta: Any) -> Callable[[type], type]:
     """
     flows = meta.pop("dataflow", None) or {}
     if flows:  # the auto-mapper's planned algorithms this driver runs (hybridflow.mapping.flows)
+        import dataclasses
+
         from hybridflow.mapping.flows import register_dataflow
 
-        for planned, flow in flows.items():
-            register_dataflow(planned, flow)
+        for planned, flow in flows.items():  # the plan writes this driver for it
+            register_dataflow(planned, dataclasses.replace(flow, driver=name) if flow.driver is None else flow)
         meta["planned_as"] = tuple(meta.get("planned_as", ())) + tuple(p for p in flows if p not in
                                                                          meta.get("planned_as", ()))
     register = DRIVERS.register(name, **meta)

@@ -341,6 +341,6 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
     key = ENGINES.meta(strategy, "layout_section")
     tp, pp = fsdp_tp, 1
     if key is not None:
-        sub = getattr(section, key)
-        tp, pp = sub.tensor_model_parallel_size, sub.pipeline_model_parallel_size
+        layout_config = getattr(section, key)
+        tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
     return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
