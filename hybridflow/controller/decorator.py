@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, Union
 
-from hybridflow.controller.futures import DataProtoFuture
+import ray
+
+from hybridflow.controller.futures import materialize
 from hybridflow.errors import UserCodeError, UserError
 from hybridflow.protocol import DataProto
 
@@ -97,9 +99,9 @@ def get_registered_methods(cls: type) -> dict[str, MethodSpec]:
 #: the call once they are ready; the method never sees them
 AFTER_PREFIX = "_hf_after_"
 
-
-def _materialize(value: Any) -> Any:
-    return value.get() if isinstance(value, DataProtoFuture) else value
+#: this keyword argument (of the :data:`AFTER_PREFIX`) holds a list of ``ObjectRef``s the rank waits for, failed or
+#: not, before the method runs: the previous call on the group's resource pool (``worker_group._PoolOrder``)
+WAIT_KEY = AFTER_PREFIX + "pool"
 
 
 def _accepting_after(func: Callable) -> inspect.Signature:
@@ -157,8 +159,11 @@ def register(
     def decorator(func: Callable) -> Callable:
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(_materialize(a) for a in args)
-            kwargs = {k: _materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
+            previous = kwargs.get(WAIT_KEY)
+            if previous:  # the pool's previous call has ended (its outcome is its caller's to read)
+                ray.wait(previous, num_returns=len(previous), fetch_local=False)
+            args = tuple(materialize(a) for a in args)
+            kwargs = {k: materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
             try:
                 return func(*args, **kwargs)
             except UserError:
