@@ -47,6 +47,7 @@ TIERS: dict[str, str] = {
     "controller/test_controller_units.py::test_future_split_by_rank_hands_out_the_outputs_only_when_they_are_the_chunks": "dist",
     "controller/test_controller_worker_group.py": "dist",
     "controller/test_submit_after.py": "dist",
+    "controller/test_pool_order.py": "dist",
     "data/test_preprocess.py::test_real_gsm8k_location_follows_the_clone": "dist",
     "distributed/test_precision.py::test_ranks_agree_and_mixed_precision_keeps_fp32_master_weights": "dist",
     "distributed/test_rendezvous_bind.py": "dist",
