@@ -5,11 +5,13 @@ A registered method is a step of the dataflow. The decorator stores a ``MethodSp
 
 1. splits the driver's arguments into per-rank arguments (the *dispatch mode*, see ``dispatch.py``),
 2. calls the method on every rank, or on rank 0 only (the *execute mode*),
-3. waits for the results and combines them (the dispatch mode's collect function), or, with
-   ``blocking=False``, returns a future at once.
+3. waits for the results and combines them (the dispatch mode's collect function), or returns a future at once:
+   a ``DataProtoFuture`` for every call of a mode that collects a ``DataProto``, the ``ObjectRef`` list with
+   ``blocking=False`` for other modes.
 
-Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
-so a method always sees plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
+Inside the worker, the wrapper waits for the pool's previous call (``WAIT_KEY``), then materializes future
+arguments (``DataProtoFuture``, ``Joined``: ``futures.materialize``) before the method runs, so a method always sees
+plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
 user's worker class; :meth:`hybridflow.errors.UserCodeError.wrap`) leaves the method as a
 :class:`~hybridflow.errors.UserCodeError` (one line and the user's frames); hybridflow's own errors and a
 ``UserError`` leave it unchanged. A method that declares the columns it reads
@@ -127,8 +129,9 @@ def register(
         dispatch_mode: a ``Dispatch`` member or the name of a mode added with ``register_dispatch_mode``
             (looked up when the worker group is built).
         execute_mode: ``Execute.ALL`` (every rank runs) or ``Execute.RANK_ZERO`` (only rank 0 runs).
-        blocking: ``False`` makes the group method return at once: a ``DataProtoFuture`` for modes that
-            collect a ``DataProto``, else the list of Ray ``ObjectRef`` objects of the ranks whose output counts.
+        blocking: for modes that do not collect a ``DataProto``, ``False`` makes the group method return at once
+            the list of Ray ``ObjectRef`` objects of the ranks whose output counts. A ``DataProto``-collecting mode's
+            call always returns a ``DataProtoFuture`` at once (read lazily).
         mesh_name: the layout name for ``Dispatch.MESH_COMPUTE_PROTO`` (required there, rejected elsewhere).
         batch_keys / non_tensor_batch_keys: the tensor / non-tensor columns the method may read (a superset: a
             column a config may add is listed; absent ones are skipped). The driver-side call sends only these

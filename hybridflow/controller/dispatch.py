@@ -356,8 +356,9 @@ def register_dispatch_mode(
     """Add a dispatch mode usable as ``register(dispatch_mode=name)`` (into the registry ``DISPATCH_MODES``).
 
     ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``; ``collect_fn(outputs) -> result``;
-    ``returns_proto``: the result is a ``DataProto`` (non-blocking calls then return a ``DataProtoFuture``;
-    ``collect_fn`` must then be picklable, e.g. a module-level function).
+    ``returns_proto``: the result is a ``DataProto`` (calls then return a ``DataProtoFuture`` at once;
+    ``collect_fn`` must then be picklable, e.g. a module-level function). A batch with futures unioned into it is
+    read on the driver before ``dispatch_fn`` sees it (only the built-in modes forward it to the ranks).
 
     Raises ``ValueError`` when ``name`` is taken (built-in names included) and ``TypeError`` for a non-str name
     or non-callable functions.

@@ -3,9 +3,12 @@
 Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` in bundle ``r``), sets the
 ``torchrun`` environment variables in each (see ``worker.py``) and binds every ``register``-ed method of the
 class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
-method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
-future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``). Any bound method can
-also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blocking=False`` would, and
+method on the ranks its execute mode names, and collects the outputs. A method whose mode collects a ``DataProto``
+returns a ``DataProtoFuture`` at once (read lazily: ``futures.py``); other modes wait and return the collected
+value (``blocking=False``: a list of ``ObjectRef``). A ``DataProto`` argument holding futures (``union``-ed, not yet
+read) reaches the ranks as a ``PendingBatch``: each rank fetches its chunk of the futures' outputs itself. Calls of
+groups on one resource pool run one after the other (:class:`_PoolOrder`); calls on different pools run together.
+Any bound method can also be started without waiting: ``wg.compute.submit(batch)``, and
 ``wg.compute.submit_after(previous, batch)`` starts it once an earlier call's future ``previous`` has finished, with
 no driver round trip between the two (Ray holds the call until ``previous``'s outputs exist).
 
