@@ -202,7 +202,7 @@ def _broadcast(value: Any, n: int) -> list:
     """``n`` copies of ``value`` for ``n`` ranks; a ``DataProto`` is put into the object store once; a
     :class:`PendingBatch` becomes one :class:`Joined` (each rank fetches the futures' outputs itself)."""
     if isinstance(value, PendingBatch):
-        return [Joined(_broadcast(value.known, n)[0], value.futures)] * n
+        return [Joined(_broadcast(value.known, n)[0], value.futures, value.select)] * n
     if isinstance(value, DataProto) and n > 1:
         value = ray.put(value)
     return [value] * n
@@ -242,7 +242,7 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
         if isinstance(value, PendingBatch):  # each rank joins its chunk of the columns and of every future
             known = per_rank(value.known)
             parts = [f.chunk(chunks) for f in value.futures]
-            return [Joined(known[r], [p[c] for p in parts]) for r, c in enumerate(chunk_of_rank)]
+            return [Joined(known[r], [p[c] for p in parts], value.select) for r, c in enumerate(chunk_of_rank)]
         if isinstance(value, DataProtoFuture):
             pieces = value.chunk(chunks)
         elif isinstance(value, DataProto):

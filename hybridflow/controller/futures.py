@@ -285,10 +285,11 @@ class PendingBatch:
     """A driver-side call argument: a batch's columns known now (``known``, a ``DataProto`` with columns) and the
     futures unioned into it, not yet read (``futures``, all ``DataProtoFuture``). A ``DataProto``-splitting dispatch
     gives each rank a :class:`Joined` of its chunk of each; :meth:`settle` reads them on the driver instead (when
-    the batch must be padded, which a future's unknown size does not allow)."""
+    the batch must be padded, which a future's unknown size does not allow). ``select``: picklable ``DataProto ->
+    DataProto`` the ranks apply to the joined batch (the method's declared columns), None: all."""
 
-    def __init__(self, known: Any, futures: Sequence[DataProtoFuture]) -> None:
-        self.known, self.futures = known, list(futures)
+    def __init__(self, known: Any, futures: Sequence[DataProtoFuture], select: Optional[Callable] = None) -> None:
+        self.known, self.futures, self.select = known, list(futures), select
 
     def __len__(self) -> int:
         return len(self.known)
@@ -298,23 +299,24 @@ class PendingBatch:
         for future in self.futures:
             self.known.union(future.get())
         self.futures = []
-        return self.known
+        return self.known if self.select is None else self.select(self.known)
 
 
 class Joined:
     """One rank's argument made of a batch's columns known at dispatch (``known``: a ``DataProto`` or its
     ``ObjectRef``) and pieces of the futures unioned into it (``pieces``: ``DataProtoFuture`` chunks or output
     ``ObjectRef``s); :meth:`get`, run on the worker, fetches each and unions them in order, as reading the batch
-    on the driver would have. A producer's failure is raised as its ``WorkerError``."""
+    on the driver would have, then applies ``select`` (see :class:`PendingBatch`). A producer's failure is raised as
+    its ``WorkerError``."""
 
-    def __init__(self, known: Any, pieces: Sequence[Any]) -> None:
-        self.known, self.pieces = known, list(pieces)
+    def __init__(self, known: Any, pieces: Sequence[Any], select: Optional[Callable] = None) -> None:
+        self.known, self.pieces, self.select = known, list(pieces), select
 
     def get(self) -> Any:
         data = materialize(self.known)
         for piece in self.pieces:
             data.union(materialize(piece))
-        return data
+        return data if self.select is None else self.select(data)
 
 
 def materialize(value: Any) -> Any:

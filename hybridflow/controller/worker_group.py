@@ -107,7 +107,8 @@ def _argument(value: Any, spec: MethodSpec, mode: Any) -> Any:
         known, futures = value.split_pending()
         if futures and (known.batch or known.non_tensor_batch) and all(isinstance(f, DataProtoFuture)
                                                                        for f in futures):
-            return PendingBatch(spec.select_inputs(known), futures)
+            select = None if spec.batch_keys is None and spec.non_tensor_batch_keys is None else spec.select_inputs
+            return PendingBatch(spec.select_inputs(known), futures, select)
     return spec.select_inputs(value)
 
 
