@@ -180,8 +180,8 @@ class DataProto:
         return self
 
     def split_pending(self) -> tuple["DataProto", list]:
-        """``(the columns present now, the pending futures)``, without waiting: the first shares this batch's
-        columns (and a shallow copy of ``meta_info``); adding the futures' outputs to it gives what reading this batch would."""
+        """``(the columns present now, the pending futures)``, without waiting: the first shares this batch's columns
+        (and a shallow copy of ``meta_info``); adding the futures' outputs to it gives what reading this batch would."""
         now = self.__dict__
         return DataProto(now["_batch"], now["_non_tensor"], dict(now["_meta"])), list(self._pending)
 

@@ -19,8 +19,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from hybridflow.errors import UserError
 
-__all__ = ["CallTimeoutError", "DataProtoFuture", "Joined", "PendingBatch", "WorkerError", "get_outputs", "get_outputs_many",
-           "materialize"]
+__all__ = ["CallTimeoutError", "DataProtoFuture", "Joined", "PendingBatch", "WorkerError", "get_outputs",
+           "get_outputs_many", "materialize"]
 
 
 class WorkerError(RuntimeError):

@@ -29,37 +29,15 @@ from hybridflow.trainer.balance import balance_order
 from hybridflow.trainer.driver import Driver, Role, SharedWithPPO, register_driver
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
+from hybridflow.trainer.roles import ACTOR, CRITIC, SCORE_MODEL, common_roles
 from hybridflow.trainer.steps import (absorb_metrics, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
                                       compute_data_metrics, compute_timing_metrics, ran_alongside,
                                       warn_single_sample_groups)
 from hybridflow.trainer.validate import validate
-from hybridflow.trainer.worker_inputs import actor_args, critic_args, rule_reward_args, score_model_args
 from hybridflow.utils.timer import timer
 
 __all__ = ["ACTOR", "CRITIC", "PPOTrainer", "SCORE_MODEL", "SharedWithPPO", "absorb_metrics", "common_roles",
            "warn_single_sample_groups"]
-
-ACTOR = "hybridflow.workers.actor_worker:ActorRolloutRefWorker"
-CRITIC = "hybridflow.workers.critic_worker:CriticWorker"
-RULE_REWARD = "hybridflow.workers.reward_worker:RuleRewardWorker"
-SCORE_MODEL = "hybridflow.workers.rm_worker:RewardModelWorker"
-
-
-def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str, Role]:
-    """The roles of the PPO family: ``actor`` (its worker role ``actor_role``: with the rollout, or ``actor_ref``
-    when generators sample), ``reward`` (rule reward and rule cost), ``critic`` when
-    :func:`~hybridflow.config.need_critic`, ``reward_model`` with ``reward_model.enable``."""
-    from hybridflow.config import need_critic
-
-    roles = {"actor": Role(ACTOR, actor_args, (actor_role,), checkpointed=True,
-                           strategy_key="actor_rollout_ref.actor.strategy"),
-             "reward": Role(RULE_REWARD, rule_reward_args)}
-    if need_critic(config):
-        roles["critic"] = Role(CRITIC, critic_args, checkpointed=True, strategy_key="critic.strategy")
-    if config.reward_model.enable:
-        roles["reward_model"] = Role(SCORE_MODEL, score_model_args, ("reward_model",),
-                                     strategy_key="reward_model.strategy")
-    return roles
 
 
 @register_driver("ppo", features=("bypass_old_log_prob", "filter_groups", "overlong_buffer"),
