@@ -62,6 +62,7 @@ class MethodSpec:
     mesh_name: Optional[str]
     batch_keys: Optional[tuple[str, ...]] = None  # the tensor columns it may read (None: all)
     non_tensor_batch_keys: Optional[tuple[str, ...]] = None  # the non-tensor columns it may read (None: all)
+    rows_per_row: bool = False  # returns the same number of rows for every input row (a rollout: n per prompt)
 
     def select_inputs(self, value: Any) -> Any:
         """``value`` as the method reads it: a ``DataProto`` cut to the declared columns it has (shallow: tensors
@@ -122,6 +123,7 @@ def register(
     mesh_name: Optional[str] = None,
     batch_keys: Optional[tuple[str, ...]] = None,
     non_tensor_batch_keys: Optional[tuple[str, ...]] = None,
+    rows_per_row: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Mark a ``Worker`` method as callable on the whole group.
 
@@ -136,6 +138,10 @@ def register(
         batch_keys / non_tensor_batch_keys: the tensor / non-tensor columns the method may read (a superset: a
             column a config may add is listed; absent ones are skipped). The driver-side call sends only these
             of each ``DataProto`` argument (less to serialize and move); ``None`` (default) sends all.
+        rows_per_row: the method returns the same number of rows for every input row, each input row's rows
+            together and in order (a rollout: ``n`` per prompt). Its future's outputs are then equal consecutive
+            slices of the result, and a next call split into as many chunks hands rank ``i`` output ``i`` straight
+            from Ray (``DataProtoFuture.split_by_rank``) instead of each rank fetching every output.
 
     Raises:
         TypeError: a wrong argument type (including ``@register`` written without parentheses).
@@ -157,7 +163,10 @@ def register(
     for name, keys in (("batch_keys", batch_keys), ("non_tensor_batch_keys", non_tensor_batch_keys)):
         if keys is not None and (not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys)):
             raise TypeError(f"{name} must be a tuple of column names or None, got {keys!r}")
-    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name, batch_keys, non_tensor_batch_keys)
+    if not isinstance(rows_per_row, bool):
+        raise TypeError(f"rows_per_row must be a bool, got {rows_per_row!r}")
+    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name, batch_keys, non_tensor_batch_keys,
+                      rows_per_row)
 
     def decorator(func: Callable) -> Callable:
         @functools.wraps(func)

@@ -275,7 +275,7 @@ class _WorkerGroupBase:
         collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
         if mode.returns_proto:  # a DataProto's call returns its future at once, blocking or not
             return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
-                                   timeout_s=self._call_timeout_s)
+                                   by_rank=spec.rows_per_row, timeout_s=self._call_timeout_s)
         if not spec.blocking:
             return [refs[ranks.index(r)] for r in counted]
         return collector(get_outputs(refs, ranks, self._name, method_name, self._call_timeout_s))

@@ -296,7 +296,7 @@ class ActorRolloutRefWorker(Worker):
         if self._lora:
             yield lora_sync.probe_entry(self.actor.module)
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout")
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout", rows_per_row=True)
     @report_time
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses for left-padded ``prompts`` (see :class:`hybridflow.rollout.BaseRollout`);

@@ -53,3 +53,18 @@ def test_a_batch_that_needs_padding_is_read_on_the_driver_first():
     plan = dispatch_dp_compute_data_proto(Group(), PendingBatch(rows(3), [future]))
     assert future.reads == 1 and plan.pad_size == 1  # 3 rows over 2 ranks: padded with a copy of row 0
     assert [p.batch["y"].tolist() for p in plan.args[0]] == [[0, 10], [20, 0]]
+
+
+def test_a_rows_per_row_future_hands_each_rank_its_producers_output():
+    from hybridflow.controller.decorator import get_method_spec, register
+    from hybridflow.controller.dispatch import Collector, collect_dp_compute_data_proto
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, rows_per_row=True)
+    def rollout(self, prompts):
+        return prompts
+
+    assert get_method_spec(rollout).rows_per_row
+    # two producer ranks, nothing padded: output i is chunk i of the collected batch
+    future = DataProtoFuture(Collector(collect_dp_compute_data_proto, [0, 1]), ["out0", "out1"], by_rank=True)
+    plan = dispatch_dp_compute_data_proto(Group(), PendingBatch(rows(4), [future]))
+    assert [p.pieces for p in plan.args[0]] == [["out0"], ["out1"]]  # the producer rank's own output, no re-split
