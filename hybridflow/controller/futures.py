@@ -99,7 +99,8 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
     wait for all of them, from this call on (None: unbounded).
 
     Raises:
-        WorkerError: a rank raised or its actor died (names the group, rank and method).
+        WorkerError: a rank raised or its actor died (names the group, rank and method); a rank that failed reading
+            another call's output it was handed (a future) raises that call's ``WorkerError``, noting the reader.
         CallTimeoutError: ranks had not answered after ``timeout_s`` seconds (names, per call, the group, the
             method and the ranks).
     """
@@ -122,6 +123,10 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
                 values[ref] = ray.get(ref)
             except (RayTaskError, RayActorError) as err:
                 group, rank, method = where[ref]
+                produced = getattr(err, "cause", None)
+                if isinstance(produced, WorkerError):  # the rank read another call's failed output: that one's error
+                    produced.add_note(f"(read by worker group {group!r} rank {rank} in {method}())")
+                    raise produced from err
                 raise WorkerError(group, rank, method, err) from err
     return [[values[ref] for ref in refs] for refs, _, _, _ in calls]
 

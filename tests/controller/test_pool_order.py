@@ -99,3 +99,13 @@ def test_reading_a_column_of_a_failed_producer_names_its_group_and_rank(groups):
     batch.union(groups["actor"].double(batch))  # returns at once: nothing raised yet
     with pytest.raises(WorkerError, match=r"'actor': rank \d failed in double\(\).*asked to fail"):
         batch.batch["y"]
+
+
+def test_a_group_that_read_a_failed_producers_output_raises_the_producers_error(groups):
+    batch = rows(4)
+    batch.meta_info["fail"] = True
+    batch.union(groups["actor"].double(batch))  # fails on the actor's ranks
+    out = groups["critic"].add(batch)  # the critic's ranks read the actor's failed output
+    with pytest.raises(WorkerError, match=r"'actor': rank \d failed in double\(\)") as caught:
+        out.batch["z"]
+    assert caught.value.group == "actor" and "read by worker group 'critic'" in "".join(caught.value.__notes__)
