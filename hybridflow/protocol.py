@@ -180,9 +180,11 @@ class DataProto:
         return self
 
     def split_pending(self) -> tuple["DataProto", list]:
-        """``(the columns present now, the pending futures)``, without waiting: the first shares this batch's columns
-        (and a shallow copy of ``meta_info``); adding the futures' outputs to it gives what reading this batch would."""
+        """``(columns present now, pending futures)``, without waiting: the first (``self`` if nothing is pending)
+        shares this batch's columns and a copy of ``meta_info``; adding the futures' outputs gives the batch."""
         now = self.__dict__
+        if not self._pending:
+            return self, []
         return DataProto(now["_batch"], now["_non_tensor"], dict(now["_meta"])), list(self._pending)
 
     # ------------------------------------------------------------------ construction / validation
