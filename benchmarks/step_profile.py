@@ -122,13 +122,26 @@ def _run(args) -> tuple[list[dict], object, int, dict[int, float]]:
     return rows, cfg, params, {0: before, **rates}
 
 
+#: phase -> the worker method whose seconds (``timing_worker_s/<method>``) time it when logged: the driver's calls
+#: return futures and overlap, so its wall-clock phases (``timing_s/*``) are waits, not the phases' work
+WORKER_METHODS = {"generate": "generate_sequences", "reference": "compute_ref_log_prob",
+                  "old_log_prob": "compute_log_prob", "values": "compute_values", "critic_update": "update_critic",
+                  "actor_update": "update_actor"}
+
+
 def phase_seconds(rows: list[dict]) -> dict[str, float]:
-    """Mean seconds per phase over ``rows`` (driver wall time; reference and old-logprob forwards run inside the
-    generation call are their worker seconds, taken out of generate's)."""
+    """Mean seconds per phase over ``rows``: the worker seconds of its method when logged, else driver wall time;
+    reference and old-logprob forwards run inside the generation call (older runs) are their worker seconds, taken
+    out of generate's."""
     def avg(key: str) -> float:
         return statistics.mean(r.get(key, 0.0) for r in rows)
 
-    phase_s = {name: avg(f"timing_s/{key}") for name, key in PHASES.items()}
+    def logged(key: str) -> bool:
+        return any(key in r for r in rows)
+
+    phase_s = {name: avg(f"timing_worker_s/{WORKER_METHODS[name]}")
+               if name in WORKER_METHODS and logged(f"timing_worker_s/{WORKER_METHODS[name]}")
+               else avg(f"timing_s/{key}") for name, key in PHASES.items()}
     for phase, name in (("reference", "ref"), ("old_log_prob", "old")):
         seconds = avg(f"timing_worker_s/{name}_log_prob_in_generate")
         if seconds:

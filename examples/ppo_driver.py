@@ -1,7 +1,9 @@
 """A PPO driver written against hybridflow's public API: the whole algorithm loop is in ``main`` below.
 
 The config, the data and the worker groups come from the library; the loop is yours to edit (add a phase,
-reorder, log something). Run: ``python examples/ppo_driver.py [key=value ...]`` (the quickstart's keys, e.g.
+reorder, log something). Every worker-group call returns its future at once and ``union`` records it unread: the
+loop waits only where it reads a value (the advantages, the printed numbers), so calls that need not wait for each
+other run together. Read each call's output you depend on: a call whose output is never read reports no error. Run: ``python examples/ppo_driver.py [key=value ...]`` (the quickstart's keys, e.g.
 ``trainer.total_training_steps=20``). It prints one line per step and the validation score before and after.
 """
 
@@ -36,9 +38,12 @@ def main(overrides=()):
                 apply_kl_penalty(batch, kl_ctrl, config.algorithm.kl_penalty)  # token_level_rewards
                 compute_advantage(batch, config.algorithm)  # advantages, returns (GAE)
                 batch.meta_info["global_step"] = step
-                critic.update_critic(batch)
-                actor.update_actor(batch)
-                print(f"step {step} | reward {batch.batch['token_level_scores'].sum(-1).mean().item():.3f}")
+                critic_out = critic.update_critic(batch)  # both updates start here (overlapping on separate pools)
+                actor_out = actor.update_actor(batch)
+                loss = actor_out.meta_info["metrics"]["actor/pg_loss"]  # waits; a failed update raises here
+                vf_loss = critic_out.meta_info["metrics"]["critic/vf_loss"]
+                print(f"step {step} | reward {batch.batch['token_level_scores'].sum(-1).mean().item():.3f} | "
+                      f"pg_loss {loss:.3f} | vf_loss {vf_loss:.3f}")
             after = validate(config, actor, reward, val_data)["val/score"]
     finally:
         if started_ray:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -133,27 +132,60 @@ def _from_wire(value: Any) -> torch.Tensor:
     return tensor if dtype is None else tensor.view(dtype)
 
 
-@dataclass(eq=False)
+def _column_store(name: str, doc: str) -> property:
+    """A ``DataProto`` attribute that first adds the columns of the pending futures (:meth:`DataProto.union`)."""
+
+    def get(self: "DataProto") -> Any:
+        return (self._settle() if self._pending else self).__dict__[name]
+
+    def put(self: "DataProto", value: Any) -> None:
+        (self._settle() if self._pending else self).__dict__[name] = value
+
+    return property(get, put, doc=doc)
+
+
 class DataProto:
     """A batch of ``B`` rows: tensors ``(B, ...)``, numpy columns ``(B, ...)`` and batch-level ``meta_info``.
+
+    ``union`` of a future (an object whose type sets ``__dataproto_future__`` and whose ``get()`` returns a
+    ``DataProto``, e.g. a worker-group call's) records it without waiting; the first read of ``batch``,
+    ``non_tensor_batch`` or ``meta_info`` waits for the pending futures, in union order, and adds their columns.
 
     Raises:
         TypeError: a key is not a ``str``, a ``batch`` value is not a ``torch.Tensor``, a
             ``non_tensor_batch`` value is not a ``np.ndarray``, or a value is 0-dimensional.
         ValueError: the columns disagree on the batch size; the message lists every key and its size.
+        Reading a column after a pending future's producer failed raises what that future's ``get()`` raises.
     """
 
-    batch: dict[str, torch.Tensor] = field(default_factory=dict)
-    non_tensor_batch: dict[str, np.ndarray] = field(default_factory=dict)
-    meta_info: dict = field(default_factory=dict)
+    batch = _column_store("_batch", "dict[str, torch.Tensor]: the tensor columns, each (B, ...).")
+    non_tensor_batch = _column_store("_non_tensor", "dict[str, np.ndarray]: the numpy columns, each (B, ...).")
+    meta_info = _column_store("_meta", "dict: batch-level values.")
 
-    def __post_init__(self) -> None:
-        self.batch = {} if self.batch is None else dict(self.batch)
-        self.non_tensor_batch = {} if self.non_tensor_batch is None else dict(self.non_tensor_batch)
-        self.meta_info = {} if self.meta_info is None else self.meta_info
+    def __init__(self, batch: Optional[dict] = None, non_tensor_batch: Optional[dict] = None,
+                 meta_info: Optional[dict] = None) -> None:
+        self._pending: list = []
+        self.batch = {} if batch is None else dict(batch)
+        self.non_tensor_batch = {} if non_tensor_batch is None else dict(non_tensor_batch)
+        self.meta_info = {} if meta_info is None else meta_info
         if not isinstance(self.meta_info, dict):
             raise TypeError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
         self.check_consistency()
+
+    def _settle(self) -> "DataProto":
+        """Wait for the pending futures, in union order, and add their columns and ``meta_info``; returns self."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            self.union(future.get())
+        return self
+
+    def split_pending(self) -> tuple["DataProto", list]:
+        """``(columns present now, pending futures)``, without waiting: the first (``self`` if nothing is pending)
+        shares this batch's columns and a copy of ``meta_info``; adding the futures' outputs gives the batch."""
+        now = self.__dict__
+        if not self._pending:
+            return self, []
+        return DataProto(now["_batch"], now["_non_tensor"], dict(now["_meta"])), list(self._pending)
 
     # ------------------------------------------------------------------ construction / validation
     def check_consistency(self) -> None:
@@ -401,12 +433,14 @@ class DataProto:
         return self
 
     def union(self, other: "DataProto") -> "DataProto":
-        """Add ``other``'s columns and ``meta_info`` to ``self`` in place; returns ``self``.
-
-        A ``DataProto`` with no columns at all takes ``other``'s batch size.
+        """Add ``other``'s columns and ``meta_info`` to ``self`` in place (a future: when first read, see the class);
+        returns ``self``. A ``DataProto`` with no columns at all takes ``other``'s batch size.
         Raises ``ValueError`` when the batch sizes differ, or when a key present in both (in ``batch``,
         ``non_tensor_batch`` or ``meta_info``) holds different values; the message names the key.
         """
+        if getattr(type(other), "__dataproto_future__", False):
+            self._pending.append(other)
+            return self
         n_self, n_other = self.batch_size, other.batch_size
         has_columns = bool(self.batch or self.non_tensor_batch)
         if has_columns and (other.batch or other.non_tensor_batch) and n_self != n_other:
@@ -528,13 +562,13 @@ class DataProto:
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict:
         # A slice/chunk is a view; plain pickling of a view writes its parent's whole storage.
-        state = dict(self.__dict__)
-        state["batch"] = {k: _wire_form(v) for k, v in self.batch.items()}
+        state = dict((self._settle() if self._pending else self).__dict__)
+        state["_batch"] = {k: _wire_form(v) for k, v in self._batch.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.batch = {k: _from_wire(v) for k, v in self.batch.items()}
+        self._batch = {k: _from_wire(v) for k, v in self._batch.items()}
 
 
 def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
@@ -543,11 +577,8 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     Padding rows are copies of rows ``0, 1, 2, ...`` (wrapping around when more than ``B`` are needed),
     so they are valid data; drop them afterwards with ``unpad_dataproto(result, pad_size)``.
 
-    Returns:
-        ``(padded, pad_size)``; when no padding is needed, ``(data, 0)`` with ``data`` itself.
-
-    Raises:
-        ValueError: ``size_divisor < 1``.
+    Returns ``(padded, pad_size)``; when no padding is needed, ``(data, 0)`` with ``data`` itself.
+    Raises ``ValueError`` for ``size_divisor < 1``.
     """
     if not isinstance(size_divisor, int) or size_divisor < 1:
         raise ValueError(f"pad_dataproto_to_divisor: size_divisor must be a positive int, got {size_divisor!r}")
@@ -561,12 +592,8 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last ``pad_size`` rows (added by ``pad_dataproto_to_divisor``); ``pad_size == 0`` returns ``data``.
-
-    Raises ``ValueError`` when ``pad_size`` is negative or larger than the batch size.
-    """
+    Raises ``ValueError`` when ``pad_size`` is negative or larger than the batch size."""
     n = len(data)
     if not 0 <= pad_size <= n:
         raise ValueError(f"unpad_dataproto: pad_size must be in [0, {n}], got {pad_size}")
-    if pad_size == 0:
-        return data
-    return data[: n - pad_size]
+    return data if pad_size == 0 else data[: n - pad_size]

@@ -154,8 +154,9 @@ class ColocatedWorkerGroup(_WorkerGroupBase):
 
     Raises (from the constructor): like ``RayWorkerGroup``'s binding (``ValueError``, ``KeyError``)."""
 
-    def __init__(self, name: str, cls: type, actors: ActorSet, colocated_with: Sequence[str]) -> None:
-        super().__init__(name, actors.workers, {})
+    def __init__(self, name: str, cls: type, actors: ActorSet, colocated_with: Sequence[str],
+                 pool: Optional[ResourcePool] = None) -> None:
+        super().__init__(name, actors.workers, {}, pool)
         self._cls, self._actors, self.colocated_with = cls, actors, tuple(colocated_with)
         for method_name, spec in get_registered_methods(cls).items():
             self._bind(method_name, self._remote_name(method_name), spec, getattr(cls, method_name).__doc__)
@@ -195,7 +196,7 @@ def create_colocated(resource_pool: ResourcePool, classes: dict[str, RayClassWit
     inits = [(init.args, init.kwargs) for init in classes.values()]
     actors = ActorSet("+".join(classes), actor_cls.__name__, ray.remote(actor_cls), placements_of(resource_pool),
                       options, (inits,), {}, resource_pool.use_gpu, env=env)
-    views = {name: ColocatedWorkerGroup(name, cls, actors, [n for n in classes if n != name])
+    views = {name: ColocatedWorkerGroup(name, cls, actors, [n for n in classes if n != name], resource_pool)
              for name, cls in types.items()}
     if _start:
         ActorSet.start_all([actors])

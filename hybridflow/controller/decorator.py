@@ -5,11 +5,13 @@ A registered method is a step of the dataflow. The decorator stores a ``MethodSp
 
 1. splits the driver's arguments into per-rank arguments (the *dispatch mode*, see ``dispatch.py``),
 2. calls the method on every rank, or on rank 0 only (the *execute mode*),
-3. waits for the results and combines them (the dispatch mode's collect function), or, with
-   ``blocking=False``, returns a future at once.
+3. waits for the results and combines them (the dispatch mode's collect function), or returns a future at once:
+   a ``DataProtoFuture`` for every call of a mode that collects a ``DataProto``, the ``ObjectRef`` list with
+   ``blocking=False`` for other modes.
 
-Inside the worker, the wrapper materializes ``DataProtoFuture`` arguments (``.get()``) before the method runs,
-so a method always sees plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
+Inside the worker, the wrapper waits for the pool's previous call (``WAIT_KEY``), then materializes future
+arguments (``DataProtoFuture``, ``Joined``: ``futures.materialize``) before the method runs, so a method always sees
+plain ``DataProto`` values. An exception raised in the user's own code (a plugin's loss, a
 user's worker class; :meth:`hybridflow.errors.UserCodeError.wrap`) leaves the method as a
 :class:`~hybridflow.errors.UserCodeError` (one line and the user's frames); hybridflow's own errors and a
 ``UserError`` leave it unchanged. A method that declares the columns it reads
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, Union
 
-from hybridflow.controller.futures import DataProtoFuture
+import ray
+
+from hybridflow.controller.futures import materialize
 from hybridflow.errors import UserCodeError, UserError
 from hybridflow.protocol import DataProto
 
@@ -58,6 +62,7 @@ class MethodSpec:
     mesh_name: Optional[str]
     batch_keys: Optional[tuple[str, ...]] = None  # the tensor columns it may read (None: all)
     non_tensor_batch_keys: Optional[tuple[str, ...]] = None  # the non-tensor columns it may read (None: all)
+    rows_per_row: bool = False  # returns the same number of rows for every input row (a rollout: n per prompt)
 
     def select_inputs(self, value: Any) -> Any:
         """``value`` as the method reads it: a ``DataProto`` cut to the declared columns it has (shallow: tensors
@@ -97,9 +102,9 @@ def get_registered_methods(cls: type) -> dict[str, MethodSpec]:
 #: the call once they are ready; the method never sees them
 AFTER_PREFIX = "_hf_after_"
 
-
-def _materialize(value: Any) -> Any:
-    return value.get() if isinstance(value, DataProtoFuture) else value
+#: this keyword argument (of the :data:`AFTER_PREFIX`) holds a list of ``ObjectRef``s the rank waits for, failed or
+#: not, before the method runs: the previous call on the group's resource pool (``worker_group._PoolOrder``)
+WAIT_KEY = AFTER_PREFIX + "pool"
 
 
 def _accepting_after(func: Callable) -> inspect.Signature:
@@ -118,6 +123,7 @@ def register(
     mesh_name: Optional[str] = None,
     batch_keys: Optional[tuple[str, ...]] = None,
     non_tensor_batch_keys: Optional[tuple[str, ...]] = None,
+    rows_per_row: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Mark a ``Worker`` method as callable on the whole group.
 
@@ -125,12 +131,17 @@ def register(
         dispatch_mode: a ``Dispatch`` member or the name of a mode added with ``register_dispatch_mode``
             (looked up when the worker group is built).
         execute_mode: ``Execute.ALL`` (every rank runs) or ``Execute.RANK_ZERO`` (only rank 0 runs).
-        blocking: ``False`` makes the group method return at once: a ``DataProtoFuture`` for modes that
-            collect a ``DataProto``, else the list of Ray ``ObjectRef`` objects of the ranks whose output counts.
+        blocking: for modes that do not collect a ``DataProto``, ``False`` makes the group method return at once
+            the list of Ray ``ObjectRef`` objects of the ranks whose output counts. A ``DataProto``-collecting mode's
+            call always returns a ``DataProtoFuture`` at once (read lazily).
         mesh_name: the layout name for ``Dispatch.MESH_COMPUTE_PROTO`` (required there, rejected elsewhere).
         batch_keys / non_tensor_batch_keys: the tensor / non-tensor columns the method may read (a superset: a
             column a config may add is listed; absent ones are skipped). The driver-side call sends only these
             of each ``DataProto`` argument (less to serialize and move); ``None`` (default) sends all.
+        rows_per_row: the method returns the same number of rows for every input row, each input row's rows
+            together and in order (a rollout: ``n`` per prompt). Its future's outputs are then equal consecutive
+            slices of the result, and a next call split into as many chunks hands rank ``i`` output ``i`` straight
+            from Ray (``DataProtoFuture.split_by_rank``) instead of each rank fetching every output.
 
     Raises:
         TypeError: a wrong argument type (including ``@register`` written without parentheses).
@@ -152,13 +163,19 @@ def register(
     for name, keys in (("batch_keys", batch_keys), ("non_tensor_batch_keys", non_tensor_batch_keys)):
         if keys is not None and (not isinstance(keys, tuple) or not all(isinstance(k, str) for k in keys)):
             raise TypeError(f"{name} must be a tuple of column names or None, got {keys!r}")
-    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name, batch_keys, non_tensor_batch_keys)
+    if not isinstance(rows_per_row, bool):
+        raise TypeError(f"rows_per_row must be a bool, got {rows_per_row!r}")
+    spec = MethodSpec(dispatch_mode, execute_mode, blocking, mesh_name, batch_keys, non_tensor_batch_keys,
+                      rows_per_row)
 
     def decorator(func: Callable) -> Callable:
         @functools.wraps(func)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            args = tuple(_materialize(a) for a in args)
-            kwargs = {k: _materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
+            previous = kwargs.get(WAIT_KEY)
+            if previous:  # the pool's previous call has ended (its outcome is its caller's to read)
+                ray.wait(previous, num_returns=len(previous), fetch_local=False)
+            args = tuple(materialize(a) for a in args)
+            kwargs = {k: materialize(v) for k, v in kwargs.items() if not k.startswith(AFTER_PREFIX)}
             try:
                 return func(*args, **kwargs)
             except UserError:

@@ -39,6 +39,7 @@ Add a mode with ``register_dispatch_mode(name, dispatch_fn, collect_fn)`` and us
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -46,7 +47,7 @@ from typing import Any, Callable, Optional, Union
 import ray
 
 from hybridflow.controller.decorator import Dispatch
-from hybridflow.controller.futures import DataProtoFuture
+from hybridflow.controller.futures import DataProtoFuture, Joined, PendingBatch
 from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.registry import Registry
 
@@ -95,12 +96,17 @@ class DispatchPlan:
 @dataclass(frozen=True)
 class DispatchMode:
     """A dispatch function, a collect function, and whether the collected result is a ``DataProto``
-    (which decides what a ``blocking=False`` call returns: a ``DataProtoFuture`` or a list of ``ObjectRef``)."""
+    (which decides what a call returns: a ``DataProtoFuture`` at once, or the collected value / a list of
+    ``ObjectRef`` for ``blocking=False``). ``forwards_pending``: the dispatch function accepts a
+    :class:`~hybridflow.controller.futures.PendingBatch` (a batch with futures unioned into it) and hands the
+    futures to the ranks (the built-in ``ONE_TO_ALL``, ``DP_COMPUTE_PROTO``, ``MESH_COMPUTE_PROTO``); other modes
+    get such a batch read on the driver."""
 
     dispatch_fn: Callable[..., DispatchPlan]
     collect_fn: Callable[[list], Any]
     returns_proto: bool = False
     needs_mesh: bool = False  # dispatch_fn takes the mesh name first (bound by get_dispatch_mode)
+    forwards_pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,13 @@ class Collector:
         self.collect_fn, self.positions = collect_fn, positions
         self.padding = padding if padding and any(pad for _, pad in padding) else None
 
+    @property
+    def concatenates(self) -> Optional[list[int]]:
+        """The counted positions when the result is their outputs concatenated, nothing dropped (a DataProto
+        mode's collect with no padding); else None."""
+        unpadded = self.padding is None and self.collect_fn is collect_dp_compute_data_proto
+        return self.positions if unpadded else None
+
     def __call__(self, outputs: list) -> Any:
         counted = [outputs[p] for p in self.positions]
         if self.padding is not None:
@@ -186,7 +199,10 @@ def drop_padding_rows(output: Any, rows: int, pad: int, what: str = "output") ->
 
 # ---------------------------------------------------------------------- helpers
 def _broadcast(value: Any, n: int) -> list:
-    """``n`` copies of ``value`` for ``n`` ranks; a ``DataProto`` is put into the object store once."""
+    """``n`` copies of ``value`` for ``n`` ranks; a ``DataProto`` is put into the object store once; a
+    :class:`PendingBatch` becomes one :class:`Joined` (each rank fetches the futures' outputs itself)."""
+    if isinstance(value, PendingBatch):
+        return [Joined(_broadcast(value.known, n)[0], value.futures, value.select)] * n
     if isinstance(value, DataProto) and n > 1:
         value = ray.put(value)
     return [value] * n
@@ -206,7 +222,7 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
     alongside a ``DataProtoFuture`` (whose size is unknown).
     """
     named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in kwargs.items()]
-    sizes = {name: len(v) for name, v in named if isinstance(v, DataProto)}
+    sizes = {name: len(v) for name, v in named if isinstance(v, (DataProto, PendingBatch))}
     if len(set(sizes.values())) > 1:
         raise DispatchError(f"DataProto arguments must have the same batch size, got {sizes}")
     batch = next(iter(sizes.values()), 0)
@@ -221,6 +237,12 @@ def _scatter(args: tuple, kwargs: dict, chunks: int, chunk_of_rank: list[int], p
     readers = [chunk_of_rank.count(c) for c in range(chunks)]  # ranks that get each piece
 
     def per_rank(value: Any) -> list:
+        if isinstance(value, PendingBatch) and pad_size:  # a future cannot be padded: read it here
+            value = value.settle()
+        if isinstance(value, PendingBatch):  # each rank joins its chunk of the columns and of every future
+            known = per_rank(value.known)
+            parts = [f.chunk(chunks) for f in value.futures]
+            return [Joined(known[r], [p[c] for p in parts], value.select) for r, c in enumerate(chunk_of_rank)]
         if isinstance(value, DataProtoFuture):
             pieces = value.chunk(chunks)
         elif isinstance(value, DataProto):
@@ -313,13 +335,13 @@ def _key(mode: Union[Dispatch, str]) -> str:
 
 DISPATCH_MODES: Registry = Registry("dispatch mode")
 for _mode, _entry in (
-    (Dispatch.ONE_TO_ALL, DispatchMode(dispatch_one_to_all, collect_all_to_all)),
+    (Dispatch.ONE_TO_ALL, DispatchMode(dispatch_one_to_all, collect_all_to_all, forwards_pending=True)),
     (Dispatch.ALL_TO_ALL, DispatchMode(dispatch_all_to_all, collect_all_to_all)),
-    (Dispatch.RANK_ZERO, DispatchMode(dispatch_rank_zero, collect_rank_zero)),
+    (Dispatch.RANK_ZERO, DispatchMode(dispatch_rank_zero, collect_rank_zero, forwards_pending=True)),
     (Dispatch.DP_COMPUTE_PROTO, DispatchMode(dispatch_dp_compute_data_proto, collect_dp_compute_data_proto,
-                                             returns_proto=True)),
+                                             returns_proto=True, forwards_pending=True)),
     (Dispatch.MESH_COMPUTE_PROTO, DispatchMode(dispatch_mesh_compute_data_proto, collect_dp_compute_data_proto,
-                                               returns_proto=True, needs_mesh=True)),
+                                               returns_proto=True, needs_mesh=True, forwards_pending=True)),
 ):
     DISPATCH_MODES.register(_key(_mode))(_entry)
 del _mode, _entry
@@ -334,8 +356,9 @@ def register_dispatch_mode(
     """Add a dispatch mode usable as ``register(dispatch_mode=name)`` (into the registry ``DISPATCH_MODES``).
 
     ``dispatch_fn(worker_group, *args, **kwargs) -> DispatchPlan``; ``collect_fn(outputs) -> result``;
-    ``returns_proto``: the result is a ``DataProto`` (non-blocking calls then return a ``DataProtoFuture``;
-    ``collect_fn`` must then be picklable, e.g. a module-level function).
+    ``returns_proto``: the result is a ``DataProto`` (calls then return a ``DataProtoFuture`` at once;
+    ``collect_fn`` must then be picklable, e.g. a module-level function). A batch with futures unioned into it is
+    read on the driver before ``dispatch_fn`` sees it (only the built-in modes forward it to the ranks).
 
     Raises ``ValueError`` when ``name`` is taken (built-in names included) and ``TypeError`` for a non-str name
     or non-callable functions.
@@ -357,5 +380,5 @@ def get_dispatch_mode(mode: Union[Dispatch, str], mesh_name: Optional[str] = Non
     """
     entry = DISPATCH_MODES.get(_key(mode))
     if entry.needs_mesh:
-        return DispatchMode(functools.partial(entry.dispatch_fn, mesh_name), entry.collect_fn, entry.returns_proto)
+        return dataclasses.replace(entry, dispatch_fn=functools.partial(entry.dispatch_fn, mesh_name))
     return entry

@@ -1,10 +1,12 @@
 """Futures of worker-group calls, and the error that names the failing rank.
 
-``DataProtoFuture`` is what a ``blocking=False`` method with a ``DataProto``-collecting dispatch mode
-(``DP_COMPUTE_PROTO``, ``MESH_COMPUTE_PROTO``) returns. It holds the Ray ``ObjectRef`` of every rank that
+``DataProtoFuture`` is what every call of a method with a ``DataProto``-collecting dispatch mode
+(``DP_COMPUTE_PROTO``, ``MESH_COMPUTE_PROTO``) returns, at once. It holds the Ray ``ObjectRef`` of every rank that
 ran, a collect function that knows whose outputs count (and removes dispatch padding), and optionally a
-per-consumer selection (``chunk``). Pass it straight to the next worker group: that group's dispatch chunks
-it lazily and each of its workers materializes only its own chunk, so the driver never calls ``ray.get``.
+per-consumer selection (``chunk``). It reads like the ``DataProto`` it will be (``batch``, ``meta_info``, ``len``,
+``select`` ...: each waits for the call, once), and ``DataProto.union`` records it without waiting. Pass it, or a
+batch it was unioned into, straight to the next worker group: that group's dispatch chunks it lazily and each of
+its workers materializes only its own chunk (:class:`Joined`), so the driver never calls ``ray.get``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from hybridflow.errors import UserError
 
-__all__ = ["CallTimeoutError", "DataProtoFuture", "WorkerError", "get_outputs", "get_outputs_many"]
+__all__ = ["CallTimeoutError", "DataProtoFuture", "Joined", "PendingBatch", "WorkerError", "get_outputs",
+           "get_outputs_many", "materialize"]
 
 
 class WorkerError(RuntimeError):
@@ -96,7 +99,8 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
     wait for all of them, from this call on (None: unbounded).
 
     Raises:
-        WorkerError: a rank raised or its actor died (names the group, rank and method).
+        WorkerError: a rank raised or its actor died (names the group, rank and method); a rank that failed reading
+            another call's output it was handed (a future) raises that call's ``WorkerError``, noting the reader.
         CallTimeoutError: ranks had not answered after ``timeout_s`` seconds (names, per call, the group, the
             method and the ranks).
     """
@@ -119,6 +123,10 @@ def get_outputs_many(calls: Sequence[tuple[Sequence[ray.ObjectRef], Sequence[int
                 values[ref] = ray.get(ref)
             except (RayTaskError, RayActorError) as err:
                 group, rank, method = where[ref]
+                produced = getattr(err, "cause", None)
+                if isinstance(produced, WorkerError):  # the rank read another call's failed output: that one's error
+                    produced.add_note(f"(read by worker group {group!r} rank {rank} in {method}())")
+                    raise produced from err
                 raise WorkerError(group, rank, method, err) from err
     return [[values[ref] for ref in refs] for refs, _, _, _ in calls]
 
@@ -128,6 +136,9 @@ def _timeout_error(calls: Sequence[tuple], pending: set, timeout_s: float) -> Ca
     waiting = [(group, method, [rank for ref, rank in zip(refs, ranks) if ref in pending])
                for refs, ranks, group, method in calls]
     return CallTimeoutError([w for w in waiting if w[2]], timeout_s)
+
+
+_UNSET = object()
 
 
 class _SelectChunk:
@@ -177,6 +188,42 @@ class DataProtoFuture:
         self.source = source or ("?", "?", list(range(len(self.futures))))
         self.by_rank = by_rank
         self.timeout_s = timeout_s
+        self._value: Any = _UNSET  # the collected output, once read
+
+    __dataproto_future__ = True  # DataProto.union records it without waiting (hybridflow.protocol)
+
+    def __getstate__(self) -> dict:  # the cached output stays with the reader that fetched it
+        return {k: v for k, v in self.__dict__.items() if k != "_value"}
+
+    def done(self) -> bool:
+        """Whether every producing rank has finished (successfully or not); never waits."""
+        return not ray.wait(self.futures, num_returns=len(self.futures), timeout=0)[1]
+
+    @property
+    def batch(self) -> dict:
+        """The collected ``DataProto``'s tensor columns (waits for the call, see :meth:`get`)."""
+        return self.get().batch
+
+    @property
+    def non_tensor_batch(self) -> dict:
+        """The collected ``DataProto``'s numpy columns (waits for the call, see :meth:`get`)."""
+        return self.get().non_tensor_batch
+
+    @property
+    def meta_info(self) -> dict:
+        """The collected ``DataProto``'s ``meta_info`` (waits for the call, see :meth:`get`)."""
+        return self.get().meta_info
+
+    def __len__(self) -> int:
+        return len(self.get())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.get()[index]
+
+    def __getattr__(self, name: str) -> Any:  # DataProto's other methods (select, pop, union, repeat, ...)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.get(), name)
 
     def split_by_rank(self) -> "DataProtoFuture":
         """This future, with the caller's promise that the producing method returns the same number of rows for
@@ -190,15 +237,12 @@ class DataProtoFuture:
                                timeout_s=self.timeout_s)
 
     def _rank_outputs(self, chunks: int) -> Optional[list[ray.ObjectRef]]:
-        """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`)."""
-        from hybridflow.controller.dispatch import Collector, collect_dp_compute_data_proto  # it imports this module
-
-        collector = self.collect_fn
-        if (not self.by_rank or self.dispatch_fn is not None or not isinstance(collector, Collector)
-                or collector.collect_fn is not collect_dp_compute_data_proto or collector.padding is not None
-                or len(collector.positions) != chunks):
+        """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`): the
+        collect function concatenates unpadded outputs (``Collector.concatenates``) of ``chunks`` ranks."""
+        positions = getattr(self.collect_fn, "concatenates", None)
+        if not self.by_rank or self.dispatch_fn is not None or positions is None or len(positions) != chunks:
             return None
-        return [self.futures[p] for p in collector.positions]
+        return [self.futures[p] for p in positions]
 
     def chunk(self, chunks: int) -> list[Any]:
         """Split lazily into ``chunks`` futures; the i-th materializes to chunk i of the collected batch. After
@@ -222,19 +266,67 @@ class DataProtoFuture:
     def get(self) -> Any:
         """Wait for the producing call and return the collected (and, for a chunk, selected) ``DataProto``.
 
+        The output is fetched once; later calls return the same object (a ``DataProto`` the caller may change).
+
         Raises:
             WorkerError: a producing rank failed (names the producer's group, rank and method).
             CallTimeoutError: producing ranks had not answered after ``timeout_s`` seconds.
             ValueError: this is a chunk of a batch whose size is not divisible by the number of chunks.
         """
-        group, method, ranks = self.source
-        output = self.collect_fn(get_outputs(self.futures, ranks, group, method, self.timeout_s))
-        if self.dispatch_fn is not None:
-            output = self.dispatch_fn(output)
-        return output
+        if self.__dict__.get("_value", _UNSET) is _UNSET:
+            group, method, ranks = self.source
+            output = self.collect_fn(get_outputs(self.futures, ranks, group, method, self.timeout_s))
+            self._value = output if self.dispatch_fn is None else self.dispatch_fn(output)
+        return self._value
 
     def __repr__(self) -> str:
         group, method, ranks = self.source
         select = self.dispatch_fn
         chunk = f", chunk {select.index} of {select.chunks}" if isinstance(select, _SelectChunk) else ""
         return f"DataProtoFuture({group}.{method}, ranks={ranks}{chunk})"
+
+
+class PendingBatch:
+    """A driver-side call argument: a batch's columns known now (``known``, a ``DataProto`` with columns) and the
+    futures unioned into it, not yet read (``futures``, all ``DataProtoFuture``). A ``DataProto``-splitting dispatch
+    gives each rank a :class:`Joined` of its chunk of each; :meth:`settle` reads them on the driver instead (when
+    the batch must be padded, which a future's unknown size does not allow). ``select``: picklable ``DataProto ->
+    DataProto`` the ranks apply to the joined batch (the method's declared columns), None: all."""
+
+    def __init__(self, known: Any, futures: Sequence[DataProtoFuture], select: Optional[Callable] = None) -> None:
+        self.known, self.futures, self.select = known, list(futures), select
+
+    def __len__(self) -> int:
+        return len(self.known)
+
+    def settle(self) -> Any:
+        """The whole batch on the driver: ``known`` with every future's output unioned (waits for them)."""
+        for future in self.futures:
+            self.known.union(future.get())
+        self.futures = []
+        return self.known if self.select is None else self.select(self.known)
+
+
+class Joined:
+    """One rank's argument made of a batch's columns known at dispatch (``known``: a ``DataProto`` or its
+    ``ObjectRef``) and pieces of the futures unioned into it (``pieces``: ``DataProtoFuture`` chunks or output
+    ``ObjectRef``s); :meth:`get`, run on the worker, fetches each and unions them in order, as reading the batch
+    on the driver would have, then applies ``select`` (see :class:`PendingBatch`). A producer's failure is raised as
+    its ``WorkerError``."""
+
+    def __init__(self, known: Any, pieces: Sequence[Any], select: Optional[Callable] = None) -> None:
+        self.known, self.pieces, self.select = known, list(pieces), select
+
+    def get(self) -> Any:
+        data = materialize(self.known)
+        for piece in self.pieces:
+            data.union(materialize(piece))
+        return data if self.select is None else self.select(data)
+
+
+def materialize(value: Any) -> Any:
+    """``value`` with a future (``DataProtoFuture``, :class:`Joined`) or a nested ``ObjectRef`` fetched; any other
+    value as is. Raises what the future's ``get()`` raises."""
+    if isinstance(value, ray.ObjectRef):
+        return ray.get(value)
+    return value.get() if isinstance(value, (DataProtoFuture, Joined)) else value

@@ -3,9 +3,12 @@
 Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` in bundle ``r``), sets the
 ``torchrun`` environment variables in each (see ``worker.py``) and binds every ``register``-ed method of the
 class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
-method on the ranks its execute mode names, and collects the outputs (or, for ``blocking=False``, returns a
-future at once: a ``DataProtoFuture`` for ``DataProto`` modes, else a list of ``ObjectRef``). Any bound method can
-also be started without waiting: ``wg.compute.submit(batch)`` returns what ``blocking=False`` would, and
+method on the ranks its execute mode names, and collects the outputs. A method whose mode collects a ``DataProto``
+returns a ``DataProtoFuture`` at once (read lazily: ``futures.py``); other modes wait and return the collected
+value (``blocking=False``: a list of ``ObjectRef``). A ``DataProto`` argument holding futures (``union``-ed, not yet
+read) reaches the ranks as a ``PendingBatch``: each rank fetches its chunk of the futures' outputs itself. Calls of
+groups on one resource pool run one after the other (:class:`_PoolOrder`); calls on different pools run together.
+Any bound method can also be started without waiting: ``wg.compute.submit(batch)``, and
 ``wg.compute.submit_after(previous, batch)`` starts it once an earlier call's future ``previous`` has finished, with
 no driver round trip between the two (Ray holds the call until ``previous``'s outputs exist).
 
@@ -26,7 +29,7 @@ from typing import Any, Optional, Sequence
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hybridflow.controller.decorator import AFTER_PREFIX, Execute, MethodSpec, get_registered_methods
+from hybridflow.controller.decorator import AFTER_PREFIX, WAIT_KEY, Execute, MethodSpec, get_registered_methods
 from hybridflow.controller.dispatch import (
     Collector,
     DispatchError,
@@ -34,7 +37,8 @@ from hybridflow.controller.dispatch import (
     MeshDispatchInfo,
     get_dispatch_mode,
 )
-from hybridflow.controller.futures import DataProtoFuture, get_outputs
+from hybridflow.controller.futures import DataProtoFuture, PendingBatch, get_outputs
+from hybridflow.protocol import DataProto
 from hybridflow.controller.resource_pool import ResourcePool
 from hybridflow.controller.worker import MASTER_LATER, Worker
 
@@ -94,6 +98,42 @@ def _refs_of(previous: Any) -> list[ray.ObjectRef]:
                     f"got {type(previous).__name__}")
 
 
+def _argument(value: Any, spec: MethodSpec, mode: Any) -> Any:
+    """A call's argument as its dispatch gets it: a ``DataProto`` with the method's declared columns
+    (``spec.select_inputs``); one with futures unioned into it and not read yet becomes a :class:`PendingBatch`
+    (its columns so far, and the futures the ranks fetch themselves) when ``mode.forwards_pending``, else it is read
+    here (waiting for the futures)."""
+    if isinstance(value, DataProto) and mode.forwards_pending:
+        known, futures = value.split_pending()
+        if futures and (known.batch or known.non_tensor_batch) and all(isinstance(f, DataProtoFuture)
+                                                                       for f in futures):
+            select = None if spec.batch_keys is None and spec.non_tensor_batch_keys is None else spec.select_inputs
+            return PendingBatch(spec.select_inputs(known), futures, select)
+    return spec.select_inputs(value)
+
+
+class _PoolOrder:
+    """Calls on one resource pool run one after the other: a call of a group whose processes differ from those of
+    the pool's previous call first waits for that call to end, successfully or not (its ranks ``ray.wait`` on the
+    call's refs, :data:`~hybridflow.controller.decorator.WAIT_KEY`); colocated groups share processes, which Ray
+    already runs in submission order; calls on different pools run concurrently. Each pool holds its last call."""
+
+    @staticmethod
+    def before(pool: Optional[ResourcePool], workers: list) -> list[ray.ObjectRef]:
+        """The refs a new call of the group running on ``workers`` in ``pool`` must wait for."""
+        last = getattr(pool, "_hf_last_call", None)
+        return [] if last is None or last[0] is workers else list(last[1])
+
+    @staticmethod
+    def record(pool: Optional[ResourcePool], workers: list, refs: list[ray.ObjectRef]) -> None:
+        """``refs`` (a call of the group on ``workers``) are now ``pool``'s last call."""
+        if pool is not None:
+            pool._hf_last_call = (workers, list(refs))
+
+
+_POOL_ORDER = _PoolOrder()
+
+
 class _WorkerGroupBase:
     """Binding, dispatch and execution of a worker group's registered methods (``RayWorkerGroup`` adds the
     actors).
@@ -103,8 +143,10 @@ class _WorkerGroupBase:
     that did not answer; None (default): unbounded. Settable at any time; a future keeps the value it was made with.
     """
 
-    def __init__(self, name: str, workers: list, mesh_cache: dict[str, MeshDispatchInfo]) -> None:
+    def __init__(self, name: str, workers: list, mesh_cache: dict[str, MeshDispatchInfo],
+                 pool: Optional[ResourcePool] = None) -> None:
         self._name = name
+        self._pool = pool
         self._workers = workers
         self._mesh_cache = mesh_cache
         self._remote_names: dict[str, str] = {}
@@ -203,8 +245,8 @@ class _WorkerGroupBase:
 
     def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict,
               after: Sequence[ray.ObjectRef] = ()) -> Any:
-        args = tuple(spec.select_inputs(a) for a in args)  # the columns the method declares it reads
-        kwargs = {k: spec.select_inputs(v) for k, v in kwargs.items()}
+        args = tuple(_argument(a, spec, mode) for a in args)  # the columns the method declares it reads
+        kwargs = {k: _argument(v, spec, mode) for k, v in kwargs.items()}
         try:
             plan = mode.dispatch_fn(self, *args, **kwargs)
         except DispatchError as err:
@@ -219,18 +261,22 @@ class _WorkerGroupBase:
                 f"under execute_mode={spec.execute_mode}"
             )
         ordering = {f"{AFTER_PREFIX}{i}": ref for i, ref in enumerate(after)}  # top-level refs: Ray waits for them
+        previous = _POOL_ORDER.before(self._pool, self._workers)
+        if previous:  # nested in a list, Ray does not wait for them: the ranks do (failed or not)
+            ordering[WAIT_KEY] = previous
         refs = [
             getattr(self._workers[r], remote_name).remote(
                 *(a[r] for a in plan.args), **{k: v[r] for k, v in plan.kwargs.items()}, **ordering
             )
             for r in ranks
         ]
+        _POOL_ORDER.record(self._pool, self._workers, refs)
         padding = None if plan.padding is None else [plan.padding[r] for r in counted]
         collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
+        if mode.returns_proto:  # a DataProto's call returns its future at once, blocking or not
+            return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
+                                   by_rank=spec.rows_per_row, timeout_s=self._call_timeout_s)
         if not spec.blocking:
-            if mode.returns_proto:
-                return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
-                                       timeout_s=self._call_timeout_s)
             return [refs[ranks.index(r)] for r in counted]
         return collector(get_outputs(refs, ranks, self._name, method_name, self._call_timeout_s))
 
@@ -389,7 +435,7 @@ class RayWorkerGroup(_WorkerGroupBase):
                            # methods that run at the same time as another call (in threads)
                            **getattr(cls, "ray_actor_options", {})},
                           ray_cls_with_init.args, ray_cls_with_init.kwargs, resource_pool.use_gpu, bin_pack, env)
-        super().__init__(name, actors.workers, {})  # the group's workers are its actor set's (filled at start)
+        super().__init__(name, actors.workers, {}, resource_pool)  # its workers are its actor set's (filled at start)
         for method_name, spec in get_registered_methods(cls).items():
             self._bind(method_name, method_name, spec, getattr(cls, method_name).__doc__)
         self._cls = cls

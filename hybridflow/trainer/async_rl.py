@@ -116,8 +116,8 @@ class AsyncTrainer(Driver):
         """Whether a step reads a trainer-side group before its updates (values, reference/old logprobs on the
         driver's path, a reward model's forward, the in-reward KL), so its preparation cannot run during the
         previous step's update."""
-        return bool(self.ppo.critic is not None or self.ppo.log_prob_forwards() or config.reward_model.enable
-                    or config.algorithm.use_kl_in_reward)
+        return bool(self.ppo.critic is not None or self.ppo.need_ref or self.ppo.need_old
+                    or config.reward_model.enable or config.algorithm.use_kl_in_reward)
 
     @classmethod
     def roles(cls, config: Any) -> dict[str, Role]:
@@ -255,7 +255,7 @@ class AsyncTrainer(Driver):
             if self.look_ahead:
                 metrics.update(self._update_looking_ahead(batch, version, t))
             else:
-                metrics.update(self.ppo.update_critic_and_actor(batch, t))
+                metrics.update(self.ppo.update(batch, t))
                 with timer("weight_push", t):
                     metrics.update(self.push_weights(version + 1))
         staleness = (version - batch.batch["policy_version"]).float()
@@ -275,10 +275,10 @@ class AsyncTrainer(Driver):
         from hybridflow.controller.futures import get_outputs_many
 
         with timer("update_actor", t):
-            update = self.ppo.actor.update_actor.submit(batch)
+            update = self.ppo.actor.update_actor(batch)  # its future, at once
             push = self._push_after(update, version + 1)
             self._prepare_next(version + 1)
-            metrics = absorb_metrics(update.get(), batch)
+            metrics = absorb_metrics(update, batch)
         with timer("weight_push", t):
             sent, _ = get_outputs_many(push, self.ppo.actor.call_timeout_s)
         return {**metrics, **sent[0]}

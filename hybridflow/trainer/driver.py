@@ -252,3 +252,17 @@ def drivers_with(feature: str) -> list[str]:
 def driver_for_plan(algorithm: str) -> Optional[str]:
     """The driver whose metadata ``planned_as`` holds the auto-mapper's workload ``algorithm`` (None: none)."""
     return next((n for n in driver_names() if algorithm in DRIVERS.meta(n, "planned_as", ())), None)
+
+
+class SharedWithPPO:
+    """A driver attribute that lives on the :class:`~hybridflow.trainer.ppo.PPOTrainer` the driver holds as ``self.ppo`` (``global_step``,
+    ``data``), so the PPO phases it calls see the loop's step and cursor."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
+        return self if obj is None else getattr(obj.ppo, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.ppo, self.name, value)

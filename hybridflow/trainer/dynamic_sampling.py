@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +24,6 @@ from hybridflow.algorithms import informative_groups
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.steps import add_worker_time
 from hybridflow.workers.timing import WORKER_TIME_PREFIX
-
-if TYPE_CHECKING:
-    from hybridflow.trainer.ppo import PPOTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +67,7 @@ class _Gathered:
             self.pieces.append(batch[keep])
 
 
-def collect_informative_groups(trainer: PPOTrainer, first: DataProto, t: dict[str, float]) -> tuple[DataProto, dict]:
+def collect_informative_groups(trainer: Any, first: DataProto, t: dict[str, float]) -> tuple[DataProto, dict]:
     """Generate and score from ``first`` (a batch of prompts) and further batches until the batch holds
     ``data.train_batch_size`` informative groups (see the module docstring); returns the scored batch
     (``train_batch_size * n`` rows, groups in generation order) and the metrics ``dapo/gen_batches``,
@@ -106,7 +103,7 @@ def collect_informative_groups(trainer: PPOTrainer, first: DataProto, t: dict[st
     return batch, metrics
 
 
-def _divisor(trainer: PPOTrainer) -> int:
+def _divisor(trainer: Any) -> int:
     """Rows of a training batch must split evenly over the trained groups' ranks (dispatch would pad with
     duplicates otherwise, which the loss would count)."""
     groups = [g for g in (trainer.actor, trainer.critic) if g is not None]

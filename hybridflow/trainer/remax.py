@@ -68,19 +68,17 @@ class ReMaxTrainer(Driver):
         return self.ppo.validate(val_data)
 
     def step(self, batch: DataProto) -> dict[str, float]:
-        """One ReMax iteration on a batch of B prompts; returns its metrics."""
+        """One ReMax iteration on a batch of B prompts (Algorithm 1: sample, greedy-decode, reward both, the greedy
+        reward is the baseline); returns its metrics."""
         n, t = self.config.actor_rollout_ref.rollout.n, {}
-        prompts = self.ppo.pop_prompts(batch)
         with timer("step", t):
-            with timer("gen", t):
-                gen = self.actor.generate_sequences(prompts)
+            prompts = self.ppo.pop_prompts(batch)
+            sampled = self.actor.generate_sequences(prompts)  # n responses per prompt
             with timer("gen_greedy", t):
                 baselines = self.greedy_baselines(prompts, batch)
-            sync = gen.meta_info.pop("sync_metrics", {})  # LoRA: the rollout's weights checked (sync/verified)
-            batch = batch.repeat(n, interleave=True).union(gen)
+            batch = batch.repeat(n, interleave=True).union(sampled)
             batch.batch["reward_baselines"] = baselines.repeat_interleave(n)
             metrics = self.ppo.train_on(batch, t)  # reward, ref, old logprobs, advantages, actor update
-            metrics.update(sync)
         metrics["remax/baseline_score/mean"] = baselines.mean().item()
         return self.ppo.step_metrics(batch, metrics, t)
 

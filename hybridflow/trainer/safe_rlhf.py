@@ -100,26 +100,30 @@ class SafeRLHFTrainer(Driver):
         return validate(self.config, self.actor, self.reward, val_data, cost=self.cost)
 
     def step(self, batch: DataProto) -> dict[str, float]:
-        """One Safe-RLHF iteration on a batch of prompts; returns its metrics."""
+        """One Safe-RLHF iteration on a batch of prompts; returns its metrics. Every group call returns its future
+        at once: the reward, the two critics' values and the actor's logprobs run together where their groups'
+        devices allow; the driver waits where it reads (the cost, the advantages, the update metrics)."""
         t: dict[str, float] = {}
         with timer("step", t):
-            batch = self.ppo.generate_and_score(batch, t, log_probs=self.ppo.log_probs_in_generation())
-            with timer("cost", t):
-                batch.batch["token_level_cost_scores"] = self.cost.compute_cost(batch)
-            self.ppo.log_probs(batch, t)
-            self.ppo.values(batch, t)
-            with timer("values", t):
-                batch.batch["cost_values"] = self.cost_critic.compute_values(batch).batch["values"]
+            batch = self.ppo.generate(batch)
+            scores = self.reward.compute_rm_score(batch)  # token_level_scores
+            values = self.critic.compute_values(batch)
+            cost_values = self.cost_critic.compute_values(batch)
+            self.ppo.add_log_probs(batch)  # ref_log_prob, old_log_probs
             with timer("adv", t):
-                metrics = self.lagrangian_advantages(batch)
-            metrics.update(self.ppo.update_critic(batch, t))
-            with timer("update_critic", t):
-                cost_targets = batch.select(_CRITIC_INPUTS + ["cost_values", "cost_returns"])
-                cost_targets.rename(["cost_values", "cost_returns"], ["values", "returns"])
-                cost_metrics = absorb_metrics(self.cost_critic.update_critic(cost_targets), batch)
-                metrics.update({"cost_" + k: v for k, v in cost_metrics.items()})
-            metrics.update(self.ppo.update_actor(batch, t))
-            metrics.update(self.ppo.pop_gen_metrics())  # LoRA: the rollout's weights checked (sync/verified)
+                self.ppo.add_scores(batch, scores)
+                batch.batch["token_level_cost_scores"] = self.cost.compute_cost(batch)
+                batch.union(values)
+                batch.batch["cost_values"] = cost_values.batch["values"]
+                metrics = {**self.lagrangian_advantages(batch), **batch.meta_info.pop("sync_metrics", {})}
+            critic = self.critic.update_critic(batch)
+            cost_targets = batch.select(_CRITIC_INPUTS + ["cost_values", "cost_returns"])
+            cost_critic = self.cost_critic.update_critic(cost_targets.rename(["cost_values", "cost_returns"],
+                                                                             ["values", "returns"]))
+            actor = self.actor.update_actor(batch)
+            with timer("update", t):
+                metrics.update(absorb_metrics(critic, batch), **absorb_metrics(actor, batch))
+                metrics.update({"cost_" + k: v for k, v in absorb_metrics(cost_critic, batch).items()})
         return self.ppo.step_metrics(batch, metrics, t)
 
     def lagrangian_advantages(self, batch: DataProto) -> dict[str, float]:

@@ -6,6 +6,7 @@ chunks) and cost O(B x R), far less than moving the batch to a worker and back.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,8 @@ from hybridflow.workers.timing import WORKER_TIME_PREFIX
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.kl import KLController
+
+logger = logging.getLogger(__name__)
 
 
 def apply_kl_penalty(data: DataProto, kl_ctrl: KLController, kl_penalty_type: str = "kl") -> dict[str, float]:
@@ -125,3 +128,38 @@ def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, fl
     metrics = {f"timing_worker_s/{k}": v for k, v in worker.items()}
     metrics["timing_s/controller_overhead_frac"] = max(0.0, step_seconds - sum(worker.values())) / step_seconds
     return metrics
+
+
+def read(out: Any) -> DataProto:
+    """``out`` itself, or, for a call's future (``__dataproto_future__``), its ``get()`` (waits for the call)."""
+    return out.get() if getattr(type(out), "__dataproto_future__", False) else out
+
+
+def ran_alongside(out: Any) -> Any:
+    """``out`` (a call's output or future; read here, waiting for the call) without its worker seconds: the call ran
+    alongside others, so its seconds are not on the step's critical path (the controller overhead stays step minus
+    the worker seconds the driver waited for)."""
+    out = read(out)
+    for key in [k for k in out.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
+        del out.meta_info[key]
+    return out
+
+
+def absorb_metrics(update_out: Any, batch: DataProto) -> dict[str, float]:
+    """Return an update call's ``meta_info["metrics"]`` (waits for the call); add its worker seconds to
+    ``batch.meta_info``."""
+    meta = dict(read(update_out).meta_info)
+    metrics = meta.pop("metrics")
+    add_worker_time(batch.meta_info, meta)
+    return metrics
+
+
+def warn_single_sample_groups(config: Any) -> None:
+    """Warn once when a group-baseline estimator (GRPO, RLOO, REINFORCE++ with baseline) gets one sample per
+    prompt: every advantage is then 0 and only a KL or entropy term moves the policy."""
+    from hybridflow.config.checks import declared
+
+    estimator = config.algorithm.adv_estimator
+    if config.actor_rollout_ref.rollout.n == 1 and declared("adv_estimator", estimator, "needs_groups"):
+        logger.warning("algorithm.adv_estimator=%s compares the samples of each prompt, but "
+                       "actor_rollout_ref.rollout.n=1: every advantage is 0 (set rollout.n > 1)", estimator)

@@ -52,8 +52,7 @@ from hybridflow.training import EngineSpec, engine_layout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.utils.allocator import keep_freed_host_memory
 from hybridflow.workers import columns
-from hybridflow.workers.inputs import (LOG_PROBS_IN_GENERATE, REF_IN_UPDATE, ActorInputs, ConfigSection, expect,
-                                       expect_section)
+from hybridflow.workers.inputs import ActorInputs, ConfigSection, expect, expect_section
 from hybridflow.workers.engine_model import compute_dtypes
 from hybridflow.workers.ppo_actor import PPOActor
 
@@ -287,18 +286,12 @@ class ActorRolloutRefWorker(Worker):
         if self._lora:
             yield lora_sync.probe_entry(self.actor.module)
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout")
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="rollout", rows_per_row=True)
     @report_time
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sample responses for left-padded ``prompts`` (see :class:`hybridflow.rollout.BaseRollout`);
         ``meta_info`` may override sampling (validation passes greedy settings) and carry ``seed``. The tp_g
-        peers of a generation group get the same prompts and seed and decode in lockstep.
-
-        With ``meta_info[LOG_PROBS_IN_GENERATE]`` (a list of ``"ref"``, ``"old"``; the driver sets it only when this
-        group's rollout layout is its training layout, so each rank's generated rows are rows it may score) the
-        reference and/or old-logprob forwards of :meth:`compute_ref_and_old_log_prob` run on the generated rows
-        before returning, and their outputs come back as columns of the generation."""
-        forwards = prompts.meta_info.pop(LOG_PROBS_IN_GENERATE, ())
+        peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
         out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
@@ -307,25 +300,7 @@ class ActorRolloutRefWorker(Worker):
         if self.engine is not None:
             self.engine.check_lockstep(out.batch["responses"])
         out.meta_info.pop("seed", None)
-        if forwards:
-            self._log_probs_of_generation(out, forwards)
         return out
-
-    def _log_probs_of_generation(self, out: DataProto, forwards) -> None:
-        """Add the ``forwards`` (``"ref"``: ``ref_log_prob``; ``"old"``: ``old_log_probs``, ``entropys``) of the
-        generated rows ``out`` to it; their seconds go to ``meta_info["metrics"]`` as
-        ``timing_worker_s/ref_log_prob_in_generate`` and ``timing_worker_s/old_log_prob_in_generate``."""
-        unknown = set(forwards) - {"ref", "old"}
-        if unknown:
-            raise ValueError(f"generate_sequences: unknown forwards {sorted(unknown)} in {LOG_PROBS_IN_GENERATE}; "
-                             "expected 'ref' and/or 'old'")
-        self._switch_to_training()
-        metrics = out.meta_info.setdefault("metrics", {})
-        for name, forward in (("ref", self._ref_log_prob), ("old", self._old_log_prob)):
-            if name in forwards:
-                start = time.perf_counter()
-                out.batch.update(forward(out))
-                metrics[f"timing_worker_s/{name}_log_prob_in_generate"] = time.perf_counter() - start
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
               non_tensor_batch_keys=columns.NONE)
@@ -342,15 +317,6 @@ class ActorRolloutRefWorker(Worker):
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
         self._switch_to_training()  # frees the generation copy early; the next update makes it stale anyway
         return DataProto.from_dict(tensors=self._ref_log_prob(data))
-
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
-    @report_time
-    def compute_ref_and_old_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob``, ``old_log_probs`` and ``entropys`` (each (B, R), fp32) in one call: the two forwards
-        a PPO step needs from this group, with one dispatch and one transfer of the batch instead of two."""
-        self._switch_to_training()
-        return DataProto.from_dict(tensors={**self._ref_log_prob(data), **self._old_log_prob(data)})
 
     def _old_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         rollout = self.config.rollout
@@ -372,22 +338,13 @@ class ActorRolloutRefWorker(Worker):
     @report_time
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
-        ``data.meta_info["global_step"]`` seeds the mini-batch shuffle. With ``meta_info[REF_IN_UPDATE]`` the
-        reference logprobs the KL loss reads are computed here first (only the update reads them: no round trip
-        through the driver; their seconds in ``timing_worker_s/ref_log_prob_in_update``)."""
+        ``data.meta_info["global_step"]`` seeds the mini-batch shuffle."""
         self._switch_to_training()
-        ref_s = None
-        if data.meta_info.pop(REF_IN_UPDATE, False):
-            start = time.perf_counter()
-            data.batch.update(self._ref_log_prob(data))
-            ref_s = time.perf_counter() - start
         cfg = self.config
         mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.dp_size
         step = int(data.meta_info.get("global_step", 0))
         metrics = self.actor.update_policy(data, mini, seed=self.inputs.seed + step)
         metrics["actor/lr"] = self.actor.engine.lr_scheduler_step()
-        if ref_s is not None:
-            metrics["timing_worker_s/ref_log_prob_in_update"] = ref_s
         self._rollout_stale = True
         return DataProto(meta_info={"metrics": metrics})
 

@@ -21,17 +21,6 @@ from typing import Any, Iterable, Optional
 ConfigSection = Any
 
 
-#: ``update_actor``'s batch ``meta_info`` flag (set by the driver): compute the reference logprobs the KL loss reads
-#: in that call, since nothing else reads them (no round trip of them through the driver)
-REF_IN_UPDATE = "ref_log_prob_in_update"
-
-#: ``generate_sequences``'s prompts ``meta_info`` entry (set by the driver): the forwards, a list of ``"ref"`` and
-#: ``"old"``, to run on the generated rows in that call (they are needed next, on the same ranks: no round trip of
-#: the batch through the driver between the two); their seconds come back in ``meta_info["metrics"]`` as
-#: ``timing_worker_s/{ref,old}_log_prob_in_generate``
-LOG_PROBS_IN_GENERATE = "log_probs_in_generate"
-
-
 @dataclass(frozen=True)
 class ActorInputs:
     """Derived values of the actor(+rollout+reference) worker (besides ``actor_rollout_ref``).

@@ -321,8 +321,9 @@ def test_future_flows_into_next_group_without_driver_get(echo, pool2, monkeypatc
 
         # A future whose batch (3 rows, producer padded and unpadded) is not divisible by the consumer's 2 ranks.
         expected = r"'consumer': rank \d failed in tag_rows\(\): ValueError: a DataProtoFuture of batch size 3"
+        lazy = consumer.tag_rows(echo.scale_rows(rows(3)))  # returns at once: the failure shows when it is read
         with pytest.raises(WorkerError, match=expected):
-            consumer.tag_rows(echo.scale_rows(rows(3)))
+            lazy.batch
         assert echo.scale_rows(rows(3)).get().batch["x"].tolist() == [0, 10, 20]
     finally:
         consumer.shutdown()

@@ -76,15 +76,11 @@ class RecordingActor:
         self.calls.append("old")
         return DataProto.from_dict(tensors={"old_log_probs": batch.batch["x"]})
 
-    def compute_ref_and_old_log_prob(self, batch):
-        self.calls.append("ref+old")
-        return DataProto.from_dict(tensors={"ref_log_prob": batch.batch["x"], "old_log_probs": batch.batch["x"]})
-
 
 @pytest.mark.parametrize("overrides, calls", [
-    ([], ["ref+old"]),  # the recipe subtracts a KL from the reward: both forwards, in one call
+    ([], ["ref", "old"]),  # the recipe subtracts a KL from the reward: both forwards
     (["algorithm.use_kl_in_reward=false"], ["old"]),  # no KL term reads the reference: not computed
-    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"], ["ref+old"]),
+    (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true"], ["ref", "old"]),
 ])
 def test_reference_logprobs_only_when_a_kl_term_uses_them(overrides, calls):
     import torch
@@ -92,7 +88,7 @@ def test_reference_logprobs_only_when_a_kl_term_uses_them(overrides, calls):
     cfg = load_config("safe_rlhf_quickstart", overrides)
     actor = RecordingActor()
     driver = get_driver("safe_rlhf")(cfg, actor, None, None, None, None)
-    driver.ppo.log_probs(DataProto.from_dict(tensors={"x": torch.zeros(2, 3)}), {})  # the phase its step runs
+    driver.ppo.add_log_probs(DataProto.from_dict(tensors={"x": torch.zeros(2, 3)}))  # the phase its step runs
     assert actor.calls == calls
 
 
@@ -123,27 +119,26 @@ def test_ppo_trainer_is_the_ppo_driver():
 
 
 @pytest.mark.parametrize("overrides, calls", [
-    ([], ["ref+old"]),  # KL in the reward and two mini-batches: both forwards, one call
-    # GRPO-style: KL loss, one update on fresh samples: pi_old is the update's own logprobs and only the update reads
-    # the reference logprobs: no call here, the update call computes them
+    ([], ["ref", "old"]),  # KL in the reward and two mini-batches: both forwards
+    # GRPO-style: KL loss, one update on fresh samples: pi_old is the update's own logprobs; the KL loss reads the
+    # reference logprobs (the call's future goes to the update's ranks without a driver read)
     (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
-      "actor_rollout_ref.actor.ppo_mini_batch_size=32"], []),
-    # ... unless pi_old is the rollout's (bypass): then the driver logs rollout/kl from them
+      "actor_rollout_ref.actor.ppo_mini_batch_size=32"], ["ref"]),
+    # ... also when pi_old is the rollout's (bypass)
     (["algorithm.use_kl_in_reward=false", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.actor.ppo_mini_batch_size=32", "algorithm.bypass_old_log_prob=true"], ["ref"]),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=32", "algorithm.use_kl_in_reward=false",
       "algorithm.recompute_old_log_prob=always"], ["old"]),
 ])
-def test_ppo_driver_calls_the_actor_group_once_for_its_forwards(overrides, calls):
+def test_ppo_driver_runs_the_forwards_a_term_reads(overrides, calls):
     import torch
 
     from hybridflow.trainer.ppo import PPOTrainer
 
-    from hybridflow.workers.inputs import REF_IN_UPDATE
-
     cfg = load_config("quickstart", overrides)  # train_batch_size 32
     actor = RecordingActor()
-    batch = DataProto.from_dict(tensors={"x": torch.zeros(2, 3), "rollout_log_probs": torch.zeros(2, 3)})
-    PPOTrainer(cfg, actor, None, None).log_probs(batch, {})
+    batch = DataProto.from_dict(tensors={"x": torch.zeros(2, 3), "rollout_log_probs": torch.ones(2, 3)})
+    PPOTrainer(cfg, actor, None, None).add_log_probs(batch)
     assert actor.calls == calls
-    assert batch.meta_info.get(REF_IN_UPDATE, False) == (calls == [])  # the update is told to compute them
+    if cfg.algorithm.bypass_old_log_prob:  # pi_old is the sampling policy's
+        assert torch.equal(batch.batch["old_log_probs"], torch.ones(2, 3))

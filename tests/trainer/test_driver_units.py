@@ -151,7 +151,7 @@ def test_safe_rlhf_driver_floors_lambda_at_lagrangian_lambda_min(tmp_path):
 
 
 class _OverlapActor:
-    """The actor's forwards and update on a generated batch; records the order of calls."""
+    """The actor's forwards and update on a generated batch (plain DataProto outputs); records the calls."""
 
     def __init__(self, calls):
         self.calls = calls
@@ -159,10 +159,7 @@ class _OverlapActor:
     def _logprobs(self, data, *keys):
         self.calls.append("actor_forward")
         zeros = torch.zeros(len(data), data.batch["responses"].shape[1])
-        return DataProto.from_dict(tensors={k: zeros for k in keys}, meta_info={"worker_s/actor_forward": 0.5})
-
-    def compute_ref_and_old_log_prob(self, data):
-        return self._logprobs(data, "ref_log_prob", "old_log_probs")
+        return DataProto.from_dict(tensors={k: zeros for k in keys}, meta_info={f"worker_s/{keys[0]}": 0.5})
 
     def compute_log_prob(self, data):
         return self._logprobs(data, "old_log_probs")
@@ -176,48 +173,7 @@ class _OverlapActor:
         return DataProto(meta_info={"metrics": {"actor/pg_loss": 0.0}, "worker_s/update_actor": 0.25})
 
 
-class _BlockingReward:
-    """A rule reward that only answers once the actor's forward has started: it can only finish when it runs
-    alongside the forwards (a reward called first, on the driver thread, would time out)."""
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def compute_rm_score(self, data):
-        import time
-
-        deadline = time.monotonic() + 10
-        while "actor_forward" not in self.calls:
-            assert time.monotonic() < deadline, "the reward was not called alongside the actor's forwards"
-            time.sleep(0.001)
-        self.calls.append("reward")
-        scores = torch.zeros(len(data), data.batch["responses"].shape[1])
-        scores[:, -1] = torch.arange(len(data), dtype=torch.float32)
-        return DataProto.from_dict(tensors={"token_level_scores": scores}, meta_info={"worker_s/compute_rm_score": 9.0})
-
-
-def test_rule_reward_runs_alongside_the_forwards_and_is_not_counted_as_worker_time(tmp_path):
-    cfg = load_config("grpo_quickstart", [f"trainer.default_local_dir={tmp_path}"])
-    calls = []
-    trainer = PPOTrainer(cfg, _OverlapActor(calls), None, _BlockingReward(calls))
-    b, r = 4, 3
-    batch = DataProto.from_dict(
-        tensors={"responses": torch.ones(b, r, dtype=torch.long), "response_mask": torch.ones(b, r, dtype=torch.long),
-                 "attention_mask": torch.ones(b, 2 + r, dtype=torch.long)},
-        non_tensors={"uid": np.array(["a", "a", "b", "b"], dtype=object)})
-    t = {}
-    trainer.train_on(batch, t)
-    assert calls.index("actor_forward") < calls.index("reward") < calls.index("update_actor")
-    assert batch.batch["token_level_scores"][:, -1].tolist() == [0.0, 1.0, 2.0, 3.0]
-    # GRPO by hand: group a scores (0, 1), group b (2, 3): each sample is -/+ 1/sqrt(2) std units from its mean
-    adv = batch.batch["advantages"][:, 0]
-    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, -1.0, 1.0]) / math.sqrt(2), atol=1e-4)
-    assert "reward" in t  # the wait for the scores
-    worker = {k for k in batch.meta_info if k.startswith("worker_s/")}
-    assert "worker_s/compute_rm_score" not in worker and "worker_s/update_actor" in worker
-
-
-def test_an_error_of_the_background_reward_reaches_the_step(tmp_path):
+def test_an_error_of_the_reward_reaches_the_step(tmp_path):
     class FailingReward:
         def compute_rm_score(self, data):
             raise ValueError("the scoring function failed on sample 2")
@@ -267,70 +223,3 @@ def test_train_on_balances_the_rows_for_the_actors_dp_ranks(tmp_path):
     assert list(batch.non_tensor_batch["uid"]) == ["a", "d", "b", "c"]
 
 
-class _Layout:
-    def __init__(self, dp_rank, is_collect):
-        self.dp_rank, self.is_collect, self.dp_size = dp_rank, is_collect, len(set(dp_rank))
-
-
-class _GeneratingActor(_OverlapActor):
-    """Generates 2-token responses; its rollout layout is ``rollout`` and its training layout dp=2."""
-
-    def __init__(self, calls, rollout):
-        super().__init__(calls)
-        self.layouts = {"rollout": rollout, "actor": _Layout((0, 1), (True, True))}
-
-    def dispatch_info(self, mesh):
-        return self.layouts[mesh]
-
-    def generate_sequences(self, prompts):
-        forwards = prompts.meta_info.get("log_probs_in_generate")
-        self.calls.append(("generate", forwards))
-        b, p = prompts.batch["input_ids"].shape
-        out = {"responses": torch.ones(b, 2, dtype=torch.long), "response_mask": torch.ones(b, 2, dtype=torch.long),
-               "attention_mask": torch.ones(b, p + 2, dtype=torch.long)}
-        zeros = torch.zeros(b, 2)
-        out.update({k: zeros for k, f in (("ref_log_prob", "ref"), ("old_log_probs", "old")) if f in (forwards or ())})
-        metrics = {"timing_worker_s/ref_log_prob_in_generate": 0.1} if forwards else {}
-        return DataProto.from_dict(tensors=out, meta_info={"metrics": metrics})
-
-    def update_actor(self, data):
-        self.calls.append("update_actor")
-        assert {"ref_log_prob", "old_log_probs"} <= set(data.batch.keys())
-        return DataProto(meta_info={"metrics": {}})
-
-
-class _Critic:
-    def compute_values(self, data):
-        return DataProto.from_dict(tensors={"values": torch.zeros(data.batch["responses"].shape)})
-
-    def update_critic(self, data):
-        return DataProto(meta_info={"metrics": {}})
-
-
-class _Reward:
-    def compute_rm_score(self, data):
-        return DataProto.from_dict(tensors={"token_level_scores": data.batch["response_mask"].float()})
-
-
-@pytest.mark.parametrize("same_layout", [True, False])
-def test_ppo_step_runs_the_reference_and_old_forwards_in_the_generation_call_when_layouts_agree(tmp_path,
-                                                                                                same_layout):
-    # the quickstart needs both forwards (KL in the reward reads the reference and pi_old before the update)
-    cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4",
-                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
-                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                                     "critic.ppo_micro_batch_size_per_gpu=2"])
-    calls = []
-    rollout = _Layout((0, 1), (True, True)) if same_layout else _Layout((0, 0), (True, False))  # else: tp=2
-    trainer = PPOTrainer(cfg, _GeneratingActor(calls, rollout), _Critic(), _Reward())
-    trainer.global_step = 1
-    prompts = DataProto.from_dict(tensors={"input_ids": torch.ones(4, 3, dtype=torch.long),
-                                           "attention_mask": torch.ones(4, 3, dtype=torch.long),
-                                           "position_ids": torch.arange(3).expand(4, -1)})
-    metrics = trainer.step(prompts)
-    if same_layout:
-        assert calls[0] == ("generate", ["ref", "old"]) and "actor_forward" not in calls
-        assert metrics["timing_worker_s/ref_log_prob_in_generate"] == 0.1
-    else:  # another generation layout: the rows a rank generated are not its training rows
-        assert calls[0] == ("generate", None) and calls.count("actor_forward") == 1
-    assert calls[-1] == "update_actor"

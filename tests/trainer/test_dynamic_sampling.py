@@ -193,7 +193,7 @@ def test_overlong_penalty_uses_the_response_length_whatever_the_prompt(tmp_path)
             tensors={"response_mask": response_mask, "truncated": truncated,
                      "attention_mask": torch.cat([torch.ones(5, prompt_len, dtype=torch.long), response_mask], 1)},
             non_tensors={"ground_truth": np.array(["all1"] * 5, dtype=object)})
-        trainer.score(batch, {})
+        trainer.add_scores(batch, trainer.reward.compute_rm_score(batch))
         results.append(batch)
     for batch in results:
         assert batch.batch["overlong_penalty"].tolist() == [0.0, 0.0, -0.5, -1.0, -1.0]

@@ -32,7 +32,7 @@ def _rank(rank: int, out: str, actor_bf16: bool) -> None:
     worker = ActorRolloutRefWorker(*actor_args(cfg, total_steps=2))
     reported = worker.init_model()  # what the driver logs when the group is up
     rows = response_batch(worker.generate_sequences(prompts().chunk(WORLD)[rank]))
-    both = worker.compute_ref_and_old_log_prob(rows)
+    both = worker.compute_ref_log_prob(rows).union(worker.compute_log_prob(rows))
     torch.save({"reported": reported, "actor": worker.actor.engine.compute_dtype,
                 "ref": worker.ref.engine.compute_dtype,
                 "ref_log_prob": both.batch["ref_log_prob"], "old_log_probs": both.batch["old_log_probs"]},
