@@ -19,7 +19,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from hybridflow.errors import UserError
 
-__all__ = ["CallTimeoutError", "DataProtoFuture", "Joined", "PendingBatch", "WorkerError", "get_outputs",
+__all__ = ["CallTimeoutError", "DataProtoFuture", "Joined", "PendingBatch", "WorkerError", "get_all", "get_outputs",
            "get_outputs_many", "materialize"]
 
 
@@ -160,7 +160,9 @@ class _SelectChunk:
 
 
 class DataProtoFuture:
-    """A ``DataProto`` that will exist once some worker-group call finishes.
+    """A ``DataProto`` that will exist once some worker-group call finishes: the one future type of the controller.
+    (A call started with ``.submit`` of a method whose dispatch mode collects something else, e.g. ``ONE_TO_ALL``'s
+    list of every rank's output, returns one too: :meth:`get` returns that collected value.)
 
     Args:
         collect_fn: ``list of every executed rank's output (rank order) -> DataProto``; it selects the ranks
@@ -275,15 +277,38 @@ class DataProtoFuture:
         """
         if self.__dict__.get("_value", _UNSET) is _UNSET:
             group, method, ranks = self.source
-            output = self.collect_fn(get_outputs(self.futures, ranks, group, method, self.timeout_s))
-            self._value = output if self.dispatch_fn is None else self.dispatch_fn(output)
+            self._cache(get_outputs(self.futures, ranks, group, method, self.timeout_s))
         return self._value
+
+    def _cache(self, outputs: list) -> None:
+        """Keep the value of the producing ranks' ``outputs`` (rank order), as :meth:`get` would."""
+        output = self.collect_fn(outputs)
+        self._value = output if self.dispatch_fn is None else self.dispatch_fn(output)
 
     def __repr__(self) -> str:
         group, method, ranks = self.source
         select = self.dispatch_fn
         chunk = f", chunk {select.index} of {select.chunks}" if isinstance(select, _SelectChunk) else ""
         return f"DataProtoFuture({group}.{method}, ranks={ranks}{chunk})"
+
+
+def get_all(*futures: DataProtoFuture) -> list[Any]:
+    """The values of several calls' futures (:meth:`DataProtoFuture.get` of each, in argument order), waited for
+    together: for calls whose ranks wait on each other (a sender and its receivers in a collective spanning two
+    groups), so the first failure of any is raised at once instead of after a peer that will never finish. The time
+    limit is the largest of the futures' ``timeout_s`` (unbounded if any is None), from this call on.
+
+    Raises:
+        WorkerError: a producing rank failed (the first failure of any call; names its group, rank and method).
+        CallTimeoutError: ranks had not answered within the limit (names, per call, the group, method and ranks).
+    """
+    waiting = [f for f in futures if f.__dict__.get("_value", _UNSET) is _UNSET]
+    limits = [f.timeout_s for f in waiting]
+    timeout_s = None if not limits or None in limits else max(limits)
+    outputs = get_outputs_many([(f.futures, f.source[2], f.source[0], f.source[1]) for f in waiting], timeout_s)
+    for future, output in zip(waiting, outputs):
+        future._cache(output)
+    return [f.get() for f in futures]
 
 
 class PendingBatch:

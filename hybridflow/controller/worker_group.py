@@ -8,7 +8,8 @@ returns a ``DataProtoFuture`` at once (read lazily: ``futures.py``); other modes
 value (``blocking=False``: a list of ``ObjectRef``). A ``DataProto`` argument holding futures (``union``-ed, not yet
 read) reaches the ranks as a ``PendingBatch``: each rank fetches its chunk of the futures' outputs itself. Calls of
 groups on one resource pool run one after the other (:class:`_PoolOrder`); calls on different pools run together.
-Any bound method can also be started without waiting: ``wg.compute.submit(batch)``, and
+Any bound method can also be started without waiting: ``wg.compute.submit(batch)`` returns its future whatever the
+dispatch mode (``get()``: the collected value; ``futures.get_all`` waits for several calls together), and
 ``wg.compute.submit_after(previous, batch)`` starts it once an earlier call's future ``previous`` has finished, with
 no driver round trip between the two (Ray holds the call until ``previous``'s outputs exist).
 
@@ -20,7 +21,6 @@ class).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import uuid
@@ -230,21 +230,21 @@ class _WorkerGroupBase:
         def call(*args: Any, **kwargs: Any) -> Any:
             return self._call(method_name, remote_name, spec, mode, args, kwargs)
 
-        def submit(*args: Any, **kwargs: Any) -> Any:
-            return self._call(method_name, remote_name, started, mode, args, kwargs)
+        def submit(*args: Any, **kwargs: Any) -> DataProtoFuture:
+            return self._call(method_name, remote_name, spec, mode, args, kwargs, future=True)
 
-        def submit_after(previous: Any, *args: Any, **kwargs: Any) -> Any:
-            return self._call(method_name, remote_name, started, mode, args, kwargs, after=_refs_of(previous))
+        def submit_after(previous: Any, *args: Any, **kwargs: Any) -> DataProtoFuture:
+            return self._call(method_name, remote_name, spec, mode, args, kwargs, after=_refs_of(previous),
+                              future=True)
 
-        started = dataclasses.replace(spec, blocking=False)
         call.__name__ = method_name
         call.__doc__ = doc
-        call.submit = submit  # group.method.submit(...): start the call, return its future (blocking=False's)
+        call.submit = submit  # group.method.submit(...): start the call, return its future (any dispatch mode)
         call.submit_after = submit_after  # group.method.submit_after(future, ...): submit, once future is done
         setattr(self, method_name, call)
 
     def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict,
-              after: Sequence[ray.ObjectRef] = ()) -> Any:
+              after: Sequence[ray.ObjectRef] = (), future: bool = False) -> Any:
         args = tuple(_argument(a, spec, mode) for a in args)  # the columns the method declares it reads
         kwargs = {k: _argument(v, spec, mode) for k, v in kwargs.items()}
         try:
@@ -273,7 +273,7 @@ class _WorkerGroupBase:
         _POOL_ORDER.record(self._pool, self._workers, refs)
         padding = None if plan.padding is None else [plan.padding[r] for r in counted]
         collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
-        if mode.returns_proto:  # a DataProto's call returns its future at once, blocking or not
+        if mode.returns_proto or future:  # a DataProto's call (or a submitted one) returns its future at once
             return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
                                    by_rank=spec.rows_per_row, timeout_s=self._call_timeout_s)
         if not spec.blocking:

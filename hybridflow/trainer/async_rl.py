@@ -10,11 +10,16 @@ reference, critic, reward on the actor's pool) trains on the samples of this ste
     push the new weights to the generators (a broadcast over a group spanning both worker groups; the
     generators receive in a second thread while they keep generating and load them before their next batch)
 
+Every call returns its future at once (:mod:`hybridflow.controller.futures`): the push is started right after the
+updates, and the trainer's ranks run it when the update ends (calls on one group's processes run in order), with no
+driver round trip in between; the sender's and receivers' futures are read together (``get_all``), so a failure on
+either side is raised at once.
+
 Look-ahead (k >= 1, when nothing before the update reads the trainer's groups: no critic, no reference or old-logprob
 forward on the driver's path, no reward model, no in-reward KL; e.g. ``async_grpo_quickstart``): while the actor
 update of step i runs, the driver takes step i+1's samples (already generated or being generated), computes their
-reward and advantages, and the weight push is chained to the update (it starts when the update ends, with no driver
-round trip). The trainer's rank then goes from one update to the next with only the push in between; the samples,
+reward and advantages (:meth:`AsyncTrainer.step`'s ``meanwhile``, started after the updates and the push). The
+trainer's rank then goes from one update to the next with only the push in between; the samples,
 rewards, advantages and updates are the same as without look-ahead (neither reads the trainer's state), and
 generation requests are submitted at the same points (after each push), so staleness is unchanged
 (``tests/trainer/test_async.py``). Its phase times (``timing_s/gen_wait``, ``reward``, ``adv``) are logged with
@@ -45,7 +50,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -53,23 +58,16 @@ from hybridflow.algorithms import importance_weight_cap
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.driver_config import AsyncDriverConfig, async_config_problems
-from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, absorb_metrics, common_roles
+from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
 from hybridflow.trainer.worker_inputs import generator_args
 from hybridflow.utils.timer import timer
+
+if TYPE_CHECKING:
+    from hybridflow.controller.futures import DataProtoFuture
 
 logger = logging.getLogger(__name__)
 
 GENERATOR = "hybridflow.workers.generator_worker:GeneratorWorker"
-
-
-class _Blocking:
-    """The generator group as validation expects it: ``generate_sequences`` returning a DataProto."""
-
-    def __init__(self, generators: Any) -> None:
-        self.generators = generators
-
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        return self.generators.generate_sequences(prompts).get()
 
 
 @register_driver("async", features=("bypass_old_log_prob", "overlong_buffer"),
@@ -100,14 +98,12 @@ class AsyncTrainer(Driver):
         self.queue_size = config.async_training.queue_size or self.max_staleness + 1
         self.pending: collections.deque = collections.deque()  # (prompt batch, generation future), oldest first
         self.dropped_samples = 0  # a running total (not saved in checkpoints: restarts at 0 on resume)
-        actor = config.actor_rollout_ref.actor
         # the cap the loss applies to pi/mu: AIPO's rho, or the truncated-IS cap of the PPO-clip losses
-        self._cap = importance_weight_cap(actor)
+        self._cap = importance_weight_cap(config.actor_rollout_ref.actor)
         if self.queue_size > self.max_staleness + 1:
             logger.warning("async_training.queue_size=%d > max_staleness + 1 = %d: requests beyond that are generated "
                            "with weights too old to train on and will mostly be dropped", self.queue_size,
                            self.max_staleness + 1)
-        self._taken: Optional[tuple[DataProto, Any]] = None  # the request take_batch handed to step
         # a batch taken and prepared for the next step during this step's update: (batch, metrics, phase seconds)
         self._ready: Optional[tuple[DataProto, dict[str, float], dict[str, float]]] = None
         self.look_ahead = self.max_staleness >= 1 and not self._trainer_read_before_update(config)
@@ -147,60 +143,96 @@ class AsyncTrainer(Driver):
         return self.ppo.checkpointed_state()
 
     def start(self, data: Any, step: int) -> None:
-        """Connect the transfer group; on resume push the resumed weights (version ``step``) before any
-        generation."""
+        """Connect the transfer group (trainer rank 0 sends, every generator rank receives); on resume push the
+        resumed weights (version ``step``) before any generation."""
+        from hybridflow.controller.futures import get_all  # Ray: not at config load
+
         self.data = data
-        self.connect()
+        host, port, layout = self.ppo.actor.open_weight_sync()
+        world = 1 + self.generators.world_size
+        get_all(self.ppo.actor.init_weight_sync.submit(host, port, world),
+                self.generators.init_weight_sync.submit(host, port, world, layout))
         if step:
-            self.push_weights(step)
+            get_all(*self.start_push(step))
 
     def batches_in_flight(self) -> int:
         return len(self.pending) + (self._ready is not None)
 
-    # ------------------------------------------------------------------ weight push
-    def connect(self) -> None:
-        """Build the transfer group: trainer rank 0 (sender) + every generator rank."""
-        from hybridflow.controller.futures import get_outputs_many
-
-        host, port, layout = self.ppo.actor.open_weight_sync()
-        world = 1 + self.generators.world_size
-        get_outputs_many([_call(self.ppo.actor, "init_weight_sync", host, port, world),
-                          _call(self.generators, "init_weight_sync", host, port, world, layout)],
-                         self.ppo.actor.call_timeout_s)
-
-    def push_weights(self, version: int) -> dict[str, float]:
-        """Send the trainer's weights of ``version`` to every generator; returns the transfer metrics."""
-        from hybridflow.controller.futures import get_outputs_many
-
-        sent, _ = get_outputs_many([_call(self.ppo.actor, "send_weights", version),
-                                    _call(self.generators, "receive_weights", version)], self.ppo.actor.call_timeout_s)
-        return sent[0]
-
-    def _push_after(self, update: Any, version: int) -> list[tuple]:
-        """Start the push of ``version`` to run on the trainer as soon as ``update`` (its future) has finished;
-        the generators' receive starts now (a thread of theirs that waits for the broadcast). For
-        :func:`~hybridflow.controller.futures.get_outputs_many`."""
-        return [_call(self.ppo.actor, "send_weights", version, after=update),
-                _call(self.generators, "receive_weights", version)]
-
-    # ------------------------------------------------------------------ the step
-    def _submit(self) -> None:
-        """Keep ``queue_size`` generation requests in flight (a batch prepared ahead counts as one): the prompts of
-        the next batches of the cursor, each sampled with the seed of its data position (the step that trains on it
-        when no batch is dropped)."""
+    # ------------------------------------------------------------------ the step (LlamaRL, Algorithm 1)
+    def take_batch(self) -> DataProto:
+        """Keep ``queue_size`` generation requests in flight (a batch prepared ahead counts as one), each the next
+        prompt batch of the cursor sampled with the seed of its data position (the step that trains on it when no
+        batch is dropped); returns the prompts :meth:`step` trains on: the batch prepared ahead, or the oldest
+        request's."""
         while len(self.pending) + (self._ready is not None) < self.queue_size:
             batch = self.data.next()
             prompts = self.ppo.pop_prompts(batch, step=self.data.position)
             self.pending.append((batch, self.generators.generate_sequences(prompts)))
+        return self._ready[0] if self._ready is not None else self.pending[0][0]
 
-    def take_batch(self) -> DataProto:
-        """The prompts of the oldest generation request (its samples are waited for in :meth:`step`), or the batch
-        prepared ahead during the previous step."""
-        self._submit()
-        if self._ready is not None:
-            return self._ready[0]
-        self._taken = self.pending.popleft()
-        return self._taken[0]
+    def step(self, batch: DataProto) -> dict[str, float]:
+        """One async iteration on the request of ``batch`` (see the module docstring); returns its metrics."""
+        from hybridflow.controller.futures import get_all  # Ray: not at config load
+
+        t: dict[str, float] = {}
+        version = self.global_step - 1  # updates applied so far
+        with timer("step", t):
+            ready, self._ready = self._ready, None
+            batch, metrics, phases = ready or self._prepare(self._oldest_fresh(version, t), t)
+            t.update(phases)
+            batch.meta_info["global_step"] = self.global_step
+            push: list = []
+
+            def meanwhile() -> None:  # the updates have started; the push runs on the trainer's ranks after them
+                push.extend(self.start_push(version + 1))
+                if self.look_ahead:  # the next batch's rewards and advantages, while the update runs
+                    self._ready = self._prepare_next(version + 1)
+
+            metrics.update(self.ppo.update(batch, t, meanwhile))
+            with timer("weight_push", t):
+                metrics.update(get_all(*push)[0][0])  # trainer rank 0's sync/* metrics
+        metrics.update(self._async_metrics(batch, version, t))
+        return self.ppo.step_metrics(batch, metrics, t)
+
+    def start_push(self, version: int) -> list[DataProtoFuture]:
+        """Start the push of the trainer's weights of ``version`` to every generator: the trainer's
+        ``send_weights`` (queued behind the trainer's earlier calls) and the generators' ``receive_weights`` (a
+        thread of theirs that waits for the broadcast while they generate); returns both futures (read them
+        together, :func:`~hybridflow.controller.futures.get_all`)."""
+        return [self.ppo.actor.send_weights.submit(version), self.generators.receive_weights.submit(version)]
+
+    def _oldest_fresh(self, version: int, t: dict[str, float]) -> DataProto:
+        """The samples of the oldest request (the prompts :meth:`take_batch` handed out), or of the next ones when it
+        is too stale for trainer ``version`` (those are dropped, counted, and the queue refilled)."""
+        while True:
+            batch, gen = self._oldest(t)
+            self.pending.popleft()
+            staleness = self._staleness(gen, version)
+            if staleness <= self.max_staleness:
+                return self._with_samples(batch, gen)
+            self.dropped_samples += len(gen)
+            logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen), staleness,
+                        self.max_staleness)
+            self.take_batch()
+
+    def _prepare_next(self, version: int) -> Optional[tuple[DataProto, dict[str, float], dict[str, float]]]:
+        """Look-ahead: the oldest pending request taken and prepared for trainer ``version`` (the next step's), or
+        None when none is pending or it is too stale for it (it stays queued, for the next step to drop)."""
+        if not self.pending:
+            return None
+        t: dict[str, float] = {}
+        batch, gen = self._oldest(t)
+        if self._staleness(gen, version) > self.max_staleness:
+            return None
+        self.pending.popleft()
+        return self._prepare(self._with_samples(batch, gen), t)
+
+    def _oldest(self, t: dict[str, float]) -> tuple[DataProto, DataProto]:
+        """The oldest request's prompt batch and samples (waited for: ``gen_wait`` seconds into ``t``; the request
+        stays queued, its future keeps the samples)."""
+        batch, future = self.pending[0]
+        with timer("gen_wait", t):
+            return batch, future.get()
 
     def _with_samples(self, batch: DataProto, gen: DataProto) -> DataProto:
         return batch.repeat(self.config.actor_rollout_ref.rollout.n, interleave=True).union(gen)
@@ -209,103 +241,29 @@ class AsyncTrainer(Driver):
         """The largest staleness of ``gen``'s samples for trainer ``version``."""
         return int((version - gen.batch["policy_version"]).max())
 
-    def _generated(self, version: int, t: dict[str, float]) -> DataProto:
-        """The samples of the request :meth:`take_batch` handed out, or of the next ones when it is too stale for
-        trainer ``version`` (those are dropped, counted)."""
-        batch, future = self._taken
-        while True:
-            with timer("gen_wait", t):
-                gen = future.get()
-            staleness = self._staleness(gen, version)
-            if staleness <= self.max_staleness:
-                return self._with_samples(batch, gen)
-            self.dropped_samples += len(gen)
-            logger.info("dropped a batch of %d samples: staleness %d > max_staleness %d", len(gen), staleness,
-                        self.max_staleness)
-            self._submit()
-            batch, future = self.pending.popleft()
-
     def _prepare(self, batch: DataProto, t: dict[str, float]) -> tuple[DataProto, dict[str, float], dict]:
+        """Rewards, reference/old logprobs, values and advantages (:meth:`PPOTrainer.prepare_update`)."""
         sync = batch.meta_info.pop("sync_metrics", {})  # LoRA: the generators' weights checked (sync/verified)
         return batch, {**self.ppo.prepare_update(batch, t), **sync}, t
 
-    def _prepare_next(self, version: int) -> None:
-        """Look-ahead: take the oldest pending request's samples and prepare them for trainer ``version`` (the
-        next step's); one too stale for it goes back to the queue, for the next step to drop."""
-        if not self.pending:
-            return
-        batch, future = self.pending.popleft()
-        t: dict[str, float] = {}
-        with timer("gen_wait", t):
-            gen = future.get()
-        if self._staleness(gen, version) > self.max_staleness:
-            self.pending.appendleft((batch, _Done(gen)))
-            return
-        self._ready = self._prepare(self._with_samples(batch, gen), t)
-
-    def step(self, batch: DataProto) -> dict[str, float]:
-        """One async iteration on the request of ``batch`` (see the module docstring); returns its metrics."""
-        t: dict[str, float] = {}
-        version = self.global_step - 1  # updates applied so far
-        with timer("step", t):
-            ready, self._ready = self._ready, None
-            batch, metrics, phases = ready or self._prepare(self._generated(version, t), t)
-            t.update(phases)
-            batch.meta_info["global_step"] = self.global_step
-            if self.look_ahead:
-                metrics.update(self._update_looking_ahead(batch, version, t))
-            else:
-                metrics.update(self.ppo.update(batch, t))
-                with timer("weight_push", t):
-                    metrics.update(self.push_weights(version + 1))
+    def _async_metrics(self, batch: DataProto, version: int, t: dict[str, float]) -> dict[str, float]:
+        """``async/*``: staleness of ``batch``'s samples for trainer ``version``, drops, waits, importance
+        weights (see the module docstring)."""
         staleness = (version - batch.batch["policy_version"]).float()
-        if not self.config.algorithm.bypass_old_log_prob:  # else old = mu: the actor logs actor/is_weight_*
-            metrics.update(importance_metrics(batch, self._cap))
+        metrics = {} if self.config.algorithm.bypass_old_log_prob else importance_metrics(batch, self._cap)
         metrics.update({"async/staleness_mean": staleness.mean().item(), "async/staleness_max": staleness.max().item(),
                         "async/dropped_samples": float(self.dropped_samples),
                         "async/gen_wait_s": t.get("gen_wait", 0.0), "async/queue_size": float(self.queue_size),
                         "async/look_ahead": float(self.look_ahead)})
         for k in range(self.max_staleness + 1):
             metrics[f"async/staleness_frac_{k}"] = (staleness == k).float().mean().item()
-        return self.ppo.step_metrics(batch, metrics, t)
-
-    def _update_looking_ahead(self, batch: DataProto, version: int, t: dict[str, float]) -> dict[str, float]:
-        """Submit the actor update and the push chained to it, prepare the next batch while they run, then collect
-        both; returns their metrics."""
-        from hybridflow.controller.futures import get_outputs_many
-
-        with timer("update_actor", t):
-            update = self.ppo.actor.update_actor(batch)  # its future, at once
-            push = self._push_after(update, version + 1)
-            self._prepare_next(version + 1)
-            metrics = absorb_metrics(update, batch)
-        with timer("weight_push", t):
-            sent, _ = get_outputs_many(push, self.ppo.actor.call_timeout_s)
-        return {**metrics, **sent[0]}
+        return metrics
 
     def validate(self, val_data: DataProto) -> dict[str, float]:
         """``val/score`` of the weights the generators hold (pushed after the last update) on ``val_data``."""
         from hybridflow.trainer.validate import validate
 
-        return validate(self.config, _Blocking(self.generators), self.ppo.reward, val_data)
-
-
-class _Done:
-    """A request whose samples were already fetched (a looked-ahead batch put back): ``get()`` returns them."""
-
-    def __init__(self, gen: DataProto) -> None:
-        self.gen = gen
-
-    def get(self) -> DataProto:
-        return self.gen
-
-
-def _call(group: Any, method: str, *args: Any, after: Any = None) -> tuple:
-    """Start ``group.method(*args)`` (a ``blocking=False`` method on every rank) for :func:`get_outputs_many`;
-    with ``after`` (an earlier call's future) it starts once that call has finished (``submit_after``)."""
-    bound = getattr(group, method)
-    refs = bound(*args) if after is None else bound.submit_after(after, *args)
-    return refs, range(len(refs)), group.name, method
+        return validate(self.config, self.generators, self.ppo.reward, val_data)
 
 
 def importance_metrics(batch: DataProto, cap: Optional[float]) -> dict[str, float]:

@@ -146,6 +146,15 @@ class Driver:
         """The input of the next :meth:`step`: by default the next prompt batch of the cursor."""
         return self.data.next()
 
+    @property
+    def data_position(self) -> int:
+        """Prompt batches taken from the cursor so far (its position)."""
+        return self.data.position
+
+    def next_batch(self) -> DataProto:
+        """The next prompt batch of the cursor (advances the data position), e.g. DAPO's extra batches."""
+        return self.data.next()
+
     def batches_in_flight(self) -> int:
         """Prompt batches taken from the cursor but not trained on yet (not counted as consumed in a checkpoint,
         so a resumed run takes them again)."""

@@ -6,7 +6,7 @@ they give no gradient; keep generating from the next prompt batches until ``data
 groups are gathered (extra ones are dropped) or ``filter_groups.max_num_gen_batches`` batches were generated. At
 the limit, ``filter_groups.on_limit=error`` stops with an error and ``train`` trains on the groups found.
 
-The extra prompt batches come from the trainer's data cursor (:meth:`PPOTrainer.next_batch`), which counts every
+The extra prompt batches come from the trainer's data cursor (:meth:`Driver.next_batch`), which counts every
 batch consumed and is checkpointed, so a resumed run continues from the same prompt as the uninterrupted one.
 Each extra batch is sampled with a seed of its own data position, so resumed sampling is identical too.
 """

@@ -19,21 +19,20 @@ logging and the data position are the :class:`~hybridflow.trainer.loop.TrainLoop
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.balance import balance_order
+from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.driver import Driver, Role, SharedWithPPO, register_driver
 from hybridflow.trainer.driver_config import PPODriverConfig, ppo_config_problems
 from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.roles import ACTOR, CRITIC, SCORE_MODEL, common_roles
 from hybridflow.trainer.steps import (absorb_metrics, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
-                                      compute_data_metrics, compute_timing_metrics, ran_alongside,
-                                      warn_single_sample_groups)
+                                      ran_alongside, step_metrics, warn_single_sample_groups)
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
@@ -82,15 +81,6 @@ class PPOTrainer(Driver):
     def checkpointed_state(self) -> dict[str, Any]:
         return {"kl_ctrl": self.kl_ctrl}
 
-    @property
-    def data_position(self) -> int:
-        """Prompt batches consumed so far (the cursor's position)."""
-        return self.data.position
-
-    def next_batch(self) -> DataProto:
-        """The next batch of prompts from the data cursor (advances the data position): DAPO's extra batches."""
-        return self.data.next()
-
     def step(self, batch: DataProto) -> dict[str, float]:
         """One PPO iteration on a batch of prompts (B prompts -> B x ``rollout.n`` rows); returns its metrics."""
         t: dict[str, float] = {}
@@ -122,7 +112,8 @@ class PPOTrainer(Driver):
             self.add_scores(batch, scores)
             metrics = {**batch.meta_info.pop("sync_metrics", {}), **self.balance(batch)}  # LoRA: sync/*
         with timer("adv", t):
-            metrics.update(self.rewards_and_advantages(batch))
+            metrics.update(self.kl_rewards(batch))  # token_level_rewards
+            compute_advantage(batch, self.config.algorithm)  # advantages, returns (B, R)
         return metrics
 
     def add_log_probs(self, batch: DataProto) -> None:
@@ -176,19 +167,8 @@ class PPOTrainer(Driver):
         """With ``trainer.balance_batch``, reorder ``batch`` for ~equal tokens per actor dp rank (:mod:`.balance`);
         returns the balance metrics."""
         info = getattr(self.actor, "dispatch_info", None)
-        if not self.config.trainer.balance_batch or info is None:
-            return {}
-        order, metrics = balance_order(batch, info("actor").dp_size)
-        if order is not None:
-            batch.reorder(order)
-        return metrics
-
-    def rewards_and_advantages(self, batch: DataProto) -> dict[str, float]:
-        """``token_level_rewards`` (:meth:`kl_rewards`), then ``advantages`` and ``returns`` (B, R) with
-        ``algorithm.adv_estimator``; returns the KL metrics."""
-        metrics = self.kl_rewards(batch)
-        compute_advantage(batch, self.config.algorithm)
-        return metrics
+        on = self.config.trainer.balance_batch and info is not None
+        return balance_batch(batch, info("actor").dp_size) if on else {}
 
     def kl_rewards(self, batch: DataProto) -> dict[str, float]:
         """``token_level_rewards`` (B, R): ``token_level_scores`` minus beta * KL(actor || ref) with
@@ -199,24 +179,20 @@ class PPOTrainer(Driver):
         batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         return {}
 
-    def update(self, batch: DataProto, t: dict[str, float]) -> dict[str, float]:
+    def update(self, batch: DataProto, t: dict[str, float],
+               meanwhile: Callable[[], None] = lambda: None) -> dict[str, float]:
         """Update the critic (if any) and the actor on ``batch`` (both calls start at once: on separate resource
-        pools they run together); returns their metrics."""
+        pools they run together); ``meanwhile()`` runs once both have started, before their metrics are read
+        (async: the weight push and the next batch); returns their metrics."""
         critic = self.critic.update_critic(batch) if self.critic is not None else None
         actor = self.actor.update_actor(batch)
+        meanwhile()
         with timer("update_critic", t):
             metrics = absorb_metrics(critic, batch) if critic is not None else {}
         with timer("update_actor", t):
             return {**metrics, **absorb_metrics(actor, batch)}
 
-    def step_metrics(self, batch: DataProto, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
-        """End a step: ``metrics`` plus the batch statistics, the phase seconds ``times`` (with ``step``), the
-        worker/controller time split and the throughput."""
-        metrics.update(compute_data_metrics(batch), **{f"timing_s/{k}": v for k, v in times.items()})
-        metrics.update(compute_timing_metrics(batch.meta_info, times["step"]))
-        tokens = int(batch.batch["attention_mask"].sum())
-        metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / times["step"]})
-        return metrics
+    step_metrics = staticmethod(step_metrics)  # (batch, metrics, phase seconds) -> the step's metrics
 
     def validate(self, val_data: DataProto) -> dict[str, float]:
         """``val/score`` (and per data source) of the current policy on ``val_data`` (see :func:`validate`)."""

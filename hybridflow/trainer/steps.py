@@ -130,6 +130,17 @@ def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, fl
     return metrics
 
 
+def step_metrics(batch: DataProto, metrics: dict[str, float], times: dict[str, float]) -> dict[str, float]:
+    """End a step: ``metrics`` (changed in place and returned) plus the batch statistics, the phase seconds
+    ``times`` (with ``step``) as ``timing_s/*``, the worker/controller time split and the throughput (tokens of
+    ``attention_mask`` per second)."""
+    metrics.update(compute_data_metrics(batch), **{f"timing_s/{k}": v for k, v in times.items()})
+    metrics.update(compute_timing_metrics(batch.meta_info, times["step"]))
+    tokens = int(batch.batch["attention_mask"].sum())
+    metrics.update({"perf/total_num_tokens": tokens, "perf/throughput": tokens / times["step"]})
+    return metrics
+
+
 def read(out: Any) -> DataProto:
     """``out`` itself, or, for a call's future (``__dataproto_future__``), its ``get()`` (waits for the call)."""
     return out.get() if getattr(type(out), "__dataproto_future__", False) else out

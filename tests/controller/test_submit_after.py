@@ -1,6 +1,7 @@
 """``group.method.submit_after(previous, ...)``: a call of one worker group ordered after another group's call with
 no driver wait in between, on real Ray actors. The order is read from a log both groups append to (an invariant of
-the events, not a timing)."""
+the events, not a timing). Also ``group.method.submit(...)`` of any dispatch mode (a future) and ``futures.get_all``
+(several futures read together, the first failure raised at once)."""
 
 import sys
 import time
@@ -11,6 +12,7 @@ import torch
 
 from hybridflow.controller import (DataProtoFuture, Dispatch, RayClassWithInitArgs, RayWorkerGroup, Worker,
                                    WorkerError, register)
+from hybridflow.controller.futures import get_all
 from hybridflow.protocol import DataProto
 
 pytestmark = pytest.mark.timeout(180)
@@ -37,6 +39,14 @@ class LoggingWorker(Worker):
             raise ValueError(f"{self.name} was told to fail")
         self._write("end")
         return DataProto.from_dict({"y": data.batch["x"] * 2})
+
+    @register(Dispatch.ONE_TO_ALL)
+    def tell(self, seconds=0.0, fail=False):
+        """``"<name> <rank>"`` after ``seconds`` (raises with ``fail``)."""
+        time.sleep(seconds)
+        if fail:
+            raise ValueError(f"{self.name} was told to fail")
+        return f"{self.name} {self.rank}"
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +101,23 @@ def test_ordering_after_object_refs_and_rejecting_anything_else(groups):
     assert second.work.submit_after(refs, _batch(2)).get().batch["y"].tolist() == [0, 2]
     with pytest.raises(TypeError, match="submit_after: previous must be a call's future"):
         second.work.submit_after(_batch(2), _batch(2))
+
+
+def test_submit_of_any_mode_returns_a_future_and_get_all_reads_several_together(groups):
+    first, second, _ = groups
+    told = second.tell.submit()  # ONE_TO_ALL, registered blocking: submit does not wait either
+    assert isinstance(told, DataProtoFuture)
+    rows = first.work.submit(_batch(2))
+    assert get_all(told, rows)[0] == ["second 0", "second 1"]  # every rank's output, in rank order
+    assert rows.get().batch["y"].tolist() == [0, 2]
+
+
+def test_get_all_raises_the_first_failure_without_waiting_for_the_others(groups):
+    # last in the module: the slow call is still running when the test ends (the fixture's shutdown stops it)
+    first, second, _ = groups
+    failing = first.tell.submit(fail=True)
+    slow = second.tell.submit(seconds=60)  # one pool: its ranks wait for the failed call to end, then sleep
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="'first': rank [01] failed in tell\\(\\).*told to fail"):
+        get_all(slow, failing)  # the slow one first: a sequential wait would block for a minute
+    assert time.monotonic() - start < 30
