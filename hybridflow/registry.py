@@ -7,7 +7,8 @@ drivers, training engines, tools, rewards ...). Every registry behaves the same 
 
 - ``@registry.register("name", **meta)`` adds a function or class and returns it unchanged; ``meta`` is free-form
   metadata the kind defines (an estimator declares ``needs_values=True``, a rollout ``uses_hybrid_engine=True``),
-  read with :meth:`Registry.meta`, so that no code decides on a name string outside the registry.
+  read with :meth:`Registry.meta` (:meth:`Registry.declared` where an unknown name reads as a default), so that no
+  code decides on a name string outside the registry.
 - ``get(name)`` returns the entry or raises :class:`UnknownNameError`, whose message lists the known names and
   the nearest one ("did you mean ...").
 - Registering a *different* object under a taken name raises ``ValueError``; registering the same one again is a
@@ -177,6 +178,14 @@ class Registry(Generic[T]):
         if key is None:
             return dict(self._meta[name])
         return self._meta[name].get(key, default)
+
+    def declared(self, name: Any, key: str, default: Any = None) -> Any:
+        """Metadata ``key`` of ``name`` as its entry declares it; ``default`` when unset or when no entry is named
+        ``name`` (for checks that run next to the name check, which reports the unknown name). Raises nothing."""
+        try:
+            return self.meta(name, key, default)
+        except UnknownNameError:
+            return default
 
     def unregister(self, name: str) -> T:
         """Remove ``name`` and return the object registered under it (tests clean up what they registered).

@@ -55,30 +55,10 @@ LAYERS: dict[str, float] = {
 }
 
 #: known import cycles (each as the set of modules of one strongly connected component), with who fixes them
-PENDING_CYCLES: set[frozenset[str]] = {
-    # futures (issue 48 items 1-2): the controller's decorator / futures / dispatch, and the PPO driver with its
-    # dynamic-sampling step
-    frozenset({"hybridflow.controller.decorator", "hybridflow.controller.futures", "hybridflow.controller.dispatch"}),
-    frozenset({"hybridflow.trainer.ppo", "hybridflow.trainer.dynamic_sampling"}),
-    # config (issue 48 item 4: the megatron checks move to the engine's registration): lazy imports of
-    # checks.strategy_problems -> megatron_checks -> layouts._pool_ranks -> checks.need_critic_for
-    frozenset({"hybridflow.config.checks", "hybridflow.config.megatron_checks", "hybridflow.config.layouts"}),
-}
+PENDING_CYCLES: set[frozenset[str]] = set()  # none pending: the package has no import cycle (issue 48 item 5)
 
 #: known upward imports (importer, imported), with who fixes them
-PENDING_UPWARD: set[tuple[str, str]] = {
-    # futures (issue 48 items 1-2, the drivers and their set-up): the trainer reads config helpers (need_critic,
-    # declared, _names, DEFAULT_STRATEGY, async_problems, log_layouts) that should reach it as values or move down
-    ("hybridflow.trainer.async_rl", "hybridflow.config.checks"),
-    ("hybridflow.trainer.checkpoint", "hybridflow.config"),
-    ("hybridflow.trainer.ppo", "hybridflow.config"),
-    ("hybridflow.trainer.ppo", "hybridflow.config.checks"),
-    ("hybridflow.trainer.remax", "hybridflow.config.checks"),
-    ("hybridflow.trainer.safe_rlhf", "hybridflow.config.checks"),
-    ("hybridflow.trainer.setup", "hybridflow.config"),
-    ("hybridflow.trainer.setup", "hybridflow.config.checks"),
-    ("hybridflow.trainer.setup", "hybridflow.config.layouts"),
-}
+PENDING_UPWARD: set[tuple[str, str]] = set()  # none pending: no module imports a higher layer (issue 48 item 5)
 
 
 def module_name(path: Path, root: Path) -> str:

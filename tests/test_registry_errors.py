@@ -84,3 +84,17 @@ def test_config_checks_read_a_user_backends_metadata():
     finally:
         ROLLOUTS.unregister("test-needs-pkg")
     assert ROLLOUTS.names() == ["hf", "vllm"] and needs_pkg.__name__ == "NeedsPkg"
+
+
+def test_declared_reads_an_unknown_name_as_the_default():
+    """``Registry.declared`` is ``meta`` for checks that run beside the name check: an unknown (or unhashable) name
+    gives the default instead of raising; ``need_critic_for`` (the trainer's and the config's one answer to "is a
+    critic trained") builds on it."""
+    from hybridflow.algorithms import ADV_ESTIMATORS, need_critic_for
+
+    assert ADV_ESTIMATORS.declared("gae", "needs_values") is True
+    assert ADV_ESTIMATORS.declared("nope", "needs_values", "dflt") == "dflt"
+    assert ADV_ESTIMATORS.declared(["unhashable"], "needs_values") is None
+    assert (need_critic_for(None, "gae"), need_critic_for(None, "grpo"), need_critic_for(None, "nope")) == \
+        (True, False, False)
+    assert (need_critic_for(False, "gae"), need_critic_for(True, "grpo")) == (False, True)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -116,6 +116,13 @@ def needs_critic(estimator: str) -> bool:
         UnknownNameError: ``estimator`` is not registered.
     """
     return bool(ADV_ESTIMATORS.meta(estimator, "needs_values", False))
+
+
+def need_critic_for(enable: Optional[bool], estimator: Any) -> bool:
+    """Whether a run trains a critic: ``critic.enable`` (``enable``) when set, else :func:`needs_critic` of its
+    ``algorithm.adv_estimator`` (False for an estimator no entry is registered under: the config's name check
+    reports that). Raises nothing."""
+    return bool(enable) if enable is not None else bool(ADV_ESTIMATORS.declared(estimator, "needs_values", False))
 
 
 def needs_reward_baselines(estimator: str) -> bool:

@@ -12,33 +12,29 @@ from typing import Any
 from hybridflow.utils.tracking import BACKEND_PACKAGES as LOGGER_PACKAGES
 from hybridflow.utils.tracking import BACKENDS as LOGGER_BACKENDS
 
+from hybridflow.config.megatron_checks import DEFAULT_STRATEGY, megatron_problems
+
 # the keys that choose a role's training engine from hybridflow.training.ENGINES
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "critic.strategy", "reward_model.strategy",
                  "cost_model.strategy")
-DEFAULT_STRATEGY = "fsdp2"  # registered by hybridflow.training itself
+
+
+def _registry(kind: str) -> Any:
+    """The registry ``kind`` (``"adv_estimator"``, ``"policy_loss"`` or ``"rollout"``), its built-in entries
+    registered (imported on first use: the estimators and losses import torch)."""
+    if kind == "rollout":
+        from hybridflow.rollout import ROLLOUTS  # importing the package registers the built-in backends
+
+        return ROLLOUTS
+    from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
+
+    return {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind]
 
 
 def declared(kind: str, name: Any, key: str, default: Any = None) -> Any:
-    """Metadata ``key`` of entry ``name`` of the registry ``kind`` (``"adv_estimator"``, ``"policy_loss"`` or
-    ``"rollout"``); ``default`` for a name no registry knows (that is reported by the name check of the loader)."""
-    from hybridflow.registry import UnknownNameError
-
-    if kind == "rollout":
-        from hybridflow.rollout.base import rollout_meta as meta
-        import hybridflow.rollout  # noqa: F401  (registers the built-in backends)
-    else:
-        from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
-
-        meta = {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind].meta
-    try:
-        return meta(name, key, default)
-    except UnknownNameError:
-        return default
-
-
-def need_critic_for(enable: bool | None, adv_estimator: str) -> bool:
-    """``critic.enable`` when set, else whether the estimator reads critic values (its ``needs_values``)."""
-    return bool(enable) if enable is not None else bool(declared("adv_estimator", adv_estimator, "needs_values"))
+    """Metadata ``key`` of entry ``name`` of the registry ``kind`` (see :func:`_registry`); ``default`` for a name no
+    registry knows (that is reported by the name check of the loader). Raises nothing."""
+    return _registry(kind).declared(name, key, default)
 
 
 def choice_problems(path: str, value: str, allowed: Sequence[str]) -> list[str]:
@@ -127,6 +123,8 @@ def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
     pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under an engine that reads
     ``fsdp_config`` (fsdp2; refused by the engine,
     :func:`hybridflow.distributed.fsdp.resolve_reshard_after_forward`)."""
+    from hybridflow.algorithms import need_critic_for
+
     roles = [("actor_rollout_ref.model", "actor_rollout_ref.actor")]
     if need_critic_for(get("critic.enable"), get("algorithm.adv_estimator")):
         roles.append(("critic.model", "critic"))
@@ -199,65 +197,6 @@ def dapo_problems(get: Callable[[str], Any]) -> list[str]:
     return problems
 
 
-MAX_QUEUE = 32  # generation requests in flight; the generator worker has MAX_QUEUE + 2 threads
-
-
-def async_problems(get: Callable[[str], Any]) -> list[str]:
-    """The async driver needs its generators on a pool of their own and a non-negative staleness bound."""
-    problems = []
-    mapping = get("resource_pool.mapping") or {}
-    generator, actor = mapping.get("generator"), mapping.get("actor", "global_pool")
-    if generator is None or generator == actor:
-        problems.append("algorithm.driver=async runs the generators on their own devices: set "
-                        "resource_pool.pools with a pool for them and resource_pool.mapping.generator to it (not the "
-                        f"actor's pool {actor!r}), e.g. resource_pool.pools={{trainer: [1], gen: [1]}} "
-                        "resource_pool.mapping={actor: trainer, generator: gen}")
-    k, queue = get("async_training.max_staleness"), get("async_training.queue_size")
-    if k < 0:
-        problems.append(f"async_training.max_staleness must be >= 0, got {k}")
-    if queue is not None and queue < 1:
-        problems.append(f"async_training.queue_size must be null or >= 1, got {queue}")
-    pools = get("resource_pool.pools") or {}
-    tp_g = get("actor_rollout_ref.rollout.tensor_model_parallel_size")
-    if generator in pools:
-        ranks = sum(pools[generator])
-        batch = get("data.train_batch_size")
-        if ranks % tp_g or batch % (ranks // tp_g):
-            problems.append(f"data.train_batch_size ({batch}) must split evenly over the generators' data-parallel "
-                            f"ranks: pool {generator!r} has {ranks} ranks / rollout.tensor_model_parallel_size "
-                            f"{tp_g}")
-    if (queue if queue is not None else k + 1) > MAX_QUEUE:
-        problems.append(f"async_training.queue_size (default max_staleness + 1 = {k + 1}) must be <= {MAX_QUEUE}: "
-                        "each request in flight holds a generator thread")
-    rollout = get("actor_rollout_ref.rollout.name")
-    if (get("async_training.generator_quantization") == "int8"
-            and not declared("rollout", rollout, "supports_int8_quantization", True)):
-        problems.append("async_training.generator_quantization=int8 needs a rollout that generates from the quantized "
-                        f"module: actor_rollout_ref.rollout.name="
-                        f"{' | '.join(_names('rollout', supports_int8_quantization=True))}, got {rollout}")
-    return problems + off_policy_problems(get)
-
-
-def off_policy_problems(get: Callable[[str], Any]) -> list[str]:
-    """With ``max_staleness >= 1`` the async driver trains on samples of a policy mu up to k versions behind pi.
-    Recomputed old logprobs are pi_old (the trainer's current weights), so a PPO-clip loss without a correction
-    treats mu's samples as on-policy (a biased gradient; LlamaRL, arXiv 2505.24034). Accepted corrections:
-    AIPO (weights by min(pi/mu, rho)), truncated IS (weights by min(pi_old/mu, cap)), or mu as pi_old
-    (``bypass_old_log_prob``: the clipped ratio is then pi/mu)."""
-    actor = "actor_rollout_ref.actor"
-    k = get("async_training.max_staleness")
-    corrected = (declared("policy_loss", get(f"{actor}.policy_loss"), "corrects_off_policy")
-                 or (get(f"{actor}.tis_imp_ratio_cap") or -1) > 0 or get("algorithm.bypass_old_log_prob"))
-    if k < 1 or corrected:
-        return []
-    return [f"algorithm.driver=async with async_training.max_staleness={k} trains on samples up to {k} policy "
-            f"version(s) old, but {actor}.policy_loss={get(f'{actor}.policy_loss')} with recomputed old logprobs and "
-            f"no truncated IS treats them as on-policy: set {actor}.policy_loss="
-            f"{' | '.join(_names('policy_loss', corrects_off_policy=True))}, or "
-            f"{actor}.tis_imp_ratio_cap=<cap > 0> (e.g. 2.0), or algorithm.bypass_old_log_prob=true, "
-            "or async_training.max_staleness=0"]
-
-
 def mismatch_problems(get: Callable[[str], Any]) -> list[str]:
     """The rollout/trainer mismatch corrections (:mod:`hybridflow.algorithms.rollout_correction`, IcePop): ordered
     bands; truncated IS not on top of a loss that weights by the mismatch ratio itself; and none of them with
@@ -284,8 +223,6 @@ def mismatch_problems(get: Callable[[str], Any]) -> list[str]:
 def strategy_problems(get: Callable[[str], Any]) -> list[str]:
     """Each ``*.strategy`` must name a registered training engine (:data:`hybridflow.training.ENGINES`; a user
     engine registers from a plugin module). The registry is imported only when a value is not the default."""
-    from hybridflow.config.megatron_checks import megatron_problems
-
     names = {key: get(key) for key in STRATEGY_KEYS}
     if all(name == DEFAULT_STRATEGY for name in names.values()):
         return megatron_problems(get)
@@ -351,14 +288,8 @@ vllm_problems = rollout_package_problems  # the former name
 
 
 def _names(kind: str, **where: Any) -> list[str]:
-    """Names of the registry ``kind`` (see :func:`declared`) whose metadata has the values ``where``."""
-    if kind == "rollout":
-        from hybridflow.rollout import registered_rollouts
-
-        return registered_rollouts(**where)
-    from hybridflow.algorithms import ADV_ESTIMATORS, POLICY_LOSSES
-
-    return {"adv_estimator": ADV_ESTIMATORS, "policy_loss": POLICY_LOSSES}[kind].names(**where)
+    """Names of the registry ``kind`` (see :func:`_registry`) whose metadata has the values ``where``."""
+    return _registry(kind).names(**where)
 
 
 def lora_rollout_problems(get: Callable[[str], Any]) -> list[str]:

@@ -7,13 +7,13 @@ ranks) and the training engine's abilities (``hybridflow.mapping.abilities``: no
 parallelism for the actor only, the reference on the actor's training layout), and applied: the actor's ``train``
 tp becomes ``actor_rollout_ref.actor.tensor_model_parallel_size``, its ``generate`` tp
 ``actor_rollout_ref.rollout.tensor_model_parallel_size``; the workers then run dp = ranks / tp. A tp key set to
-another value than its layout's (and than the default 1) is a conflict. At start :func:`log_layouts` logs what
-every role runs, (dp, tp, pp), and which of them came from ``layouts``.
+another value than its layout's (and than the default 1) is a conflict. The section's shape (phases, tp keys, the
+pool of each role) is :mod:`hybridflow.mapping.layouts`; at start :func:`hybridflow.trainer.layouts.log_layouts` logs
+what every role runs, (dp, tp, pp), and which of them came from ``layouts``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,27 +21,9 @@ from omegaconf import DictConfig
 
 from hybridflow.mapping.abilities import ENGINE_ABILITIES
 from hybridflow.mapping.cost import Layout
+from hybridflow.mapping.layouts import PHASES, TP_KEYS, pool_ranks
 
-__all__ = ["PHASES", "apply_layouts", "layout_problems", "log_layouts", "run_layouts"]
-
-logger = logging.getLogger(__name__)
-
-#: role -> its phases in ``layouts``
-PHASES = {"actor": ("train", "generate"), "critic": ("train",), "reference": ("infer",), "reward": ("infer",)}
-#: (role, phase) -> the config key its tp sets
-TP_KEYS = {("actor", "train"): "actor_rollout_ref.actor.tensor_model_parallel_size",
-           ("actor", "generate"): "actor_rollout_ref.rollout.tensor_model_parallel_size"}
-#: layouts role -> the resource_pool.mapping role whose pool it runs on
-POOL_ROLES = {"actor": "actor", "reference": "actor", "critic": "critic", "reward": "reward_model"}
-
-
-def _pool_ranks(get: Callable[[str], Any], role: str) -> int:
-    """Ranks of the pool ``role`` runs on (a role not mapped follows the actor; no pools: the whole cluster)."""
-    pools, mapping = get("resource_pool.pools"), dict(get("resource_pool.mapping") or {})
-    pool = mapping.get(POOL_ROLES[role], mapping.get("actor", "global_pool"))
-    if pools and pool in pools:
-        return sum(pools[pool])
-    return get("trainer.n_gpus_per_node") * get("trainer.nnodes")
+__all__ = ["PHASES", "apply_layouts", "layout_problems"]
 
 
 def _given(get: Callable[[str], Any]) -> tuple[dict[tuple[str, str], Layout], list[str]]:
@@ -66,7 +48,7 @@ def layout_problems(get: Callable[[str], Any]) -> list[str]:
     given, problems = _given(get)
     abilities = ENGINE_ABILITIES.get(get("actor_rollout_ref.actor.strategy"))  # unknown: strategy_problems says
     for (role, phase), lay in given.items():
-        key, ranks = f"layouts.{role}.{phase}", _pool_ranks(get, role)
+        key, ranks = f"layouts.{role}.{phase}", pool_ranks(get, role)
         if lay.size != ranks:
             problems.append(f"{key}: {lay.as_list()} is {lay.size} ranks, but the {role} runs on {ranks}")
         reason = abilities and abilities.layout_reason(role, lay, generate=phase == "generate")
@@ -103,40 +85,3 @@ def _section(cfg: DictConfig, dotted: str) -> DictConfig:
     for part in dotted.split("."):
         node = node[part]
     return node
-
-
-def run_layouts(config: DictConfig) -> dict[str, dict[str, tuple[int, int, int]]]:
-    """(dp, tp, pp) per role and phase that the workers of ``config`` run (the roles that run: the critic when
-    trained, the reward model when enabled)."""
-    from hybridflow.config.checks import need_critic_for
-
-    def get(path: str) -> Any:
-        return _section(config, path)
-
-    from hybridflow.training import engine_layout
-
-    actor = _pool_ranks(get, "actor")
-    tp, tp_g = (get(k) for k in TP_KEYS.values())
-    section = config.actor_rollout_ref.actor
-    train = engine_layout(section.strategy, section, actor, tp)  # strategy=megatron: actor.megatron's tp x pp
-    out = {"actor": {"train": (train.dp, train.tp, train.pp), "generate": (actor // tp_g, tp_g, 1)},
-           "reference": {"infer": (train.dp, train.tp, train.pp)}}
-    if need_critic_for(config.critic.enable, config.algorithm.adv_estimator):
-        critic = engine_layout(config.critic.strategy, config.critic, _pool_ranks(get, "critic"))
-        out["critic"] = {"train": (critic.dp, critic.tp, critic.pp)}
-    if config.reward_model.enable:
-        out["reward"] = {"infer": (_pool_ranks(get, "reward"), 1, 1)}
-    return out
-
-
-def log_layouts(config: DictConfig) -> str:
-    """Log (and return) the layout of every role as (dp, tp, pp), marking those set by the ``layouts`` section."""
-    planned = {(r, p) for r, phases in PHASES.items() for p in (config.layouts.get(r) or {})}
-    parts = []
-    for role, phases in run_layouts(config).items():
-        for phase, (dp, tp, pp) in phases.items():
-            mark = " planned" if (role, phase) in planned else ""
-            parts.append(f"{role} {phase} (dp={dp}, tp={tp}, pp={pp}){mark}")
-    line = "parallel layouts: " + "; ".join(parts)
-    logger.info(line)
-    return line

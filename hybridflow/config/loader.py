@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
-                                      fsdp_size_problems, logger_problems, mismatch_problems, need_critic_for,
+                                      fsdp_size_problems, logger_problems, mismatch_problems,
                                       parallel_layout_problems, reward_fn_problems, rollout_package_problems,
                                       score_model_problems, strategy_problems, trained_model_problems)
 from hybridflow.config.assemble import assembled_schema, entry_checks
@@ -305,7 +305,10 @@ def config_to_dict(cfg: DictConfig) -> dict[str, Any]:
 
 
 def need_critic(cfg: DictConfig) -> bool:
-    """Whether the run trains a critic: ``critic.enable`` when set, else whether the estimator is GAE."""
+    """Whether the run trains a critic: ``critic.enable`` when set, else whether the estimator reads critic values
+    (:func:`hybridflow.algorithms.need_critic_for`, which the trainer calls with the two values)."""
+    from hybridflow.algorithms import need_critic_for
+
     return need_critic_for(cfg.critic.enable, cfg.algorithm.adv_estimator)
 
 
@@ -461,6 +464,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> li
     checks += [lambda fn=fn: fn(get) for _, fn in entry_checks()]  # each registry entry's checks of its own keys
 
     def critic_batch_problems() -> list[str]:
+        from hybridflow.algorithms import need_critic_for
+
         trained = need_critic_for(get("critic.enable"), get("algorithm.adv_estimator"))
         return batch_problems(get, "critic") if trained else []
 

@@ -8,6 +8,7 @@ import importlib.util
 from typing import Any, Callable
 
 from hybridflow.config.schema import ActorConfig
+from hybridflow.mapping.layouts import pool_ranks
 
 __all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "megatron_problems"]
 
@@ -68,8 +69,6 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     ``layout_section="megatron"`` and must then divide its role's ranks, else stay (1, 1); the reference shares the
     actor's (tp, pp) (one process, one parallel state); the DTensor ``actor.tensor_model_parallel_size`` stays 1
     with such an engine. All defaults (every strategy the schema's, every layout (1, 1)) need no registry lookup."""
-    from hybridflow.config.layouts import _pool_ranks
-
     strategies = {section: get(key) for section, (key, _) in MEGATRON_SECTIONS.items()}
     sizes = {section: (get(f"{section}.{LAYOUT_SECTION}.tensor_model_parallel_size"),
                        get(f"{section}.{LAYOUT_SECTION}.pipeline_model_parallel_size")) for section in strategies}
@@ -83,7 +82,7 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
             problems.append(f"strategy={engine} needs {meta(engine, 'install_hint') or f'pip install {package}'}")
     reads = {section: meta(engine, "layout_section") == LAYOUT_SECTION for section, engine in strategies.items()}
     for section, (key, role) in MEGATRON_SECTIONS.items():
-        problems += _section_problems(get, section, key, _pool_ranks(get, role), reads[section])
+        problems += _section_problems(get, section, key, pool_ranks(get, role), reads[section])
     actor, ref = f"actor_rollout_ref.actor.{LAYOUT_SECTION}", f"actor_rollout_ref.ref.{LAYOUT_SECTION}"
     if reads["actor_rollout_ref.actor"]:
         engine = strategies["actor_rollout_ref.actor"]

@@ -18,6 +18,7 @@ import yaml
 
 from hybridflow.mapping.abilities import ENGINE_ABILITIES, Abilities
 from hybridflow.mapping.flows import dataflow_of
+from hybridflow.mapping.layouts import PHASES as LAYOUT_PHASES  # layouts written per plan role
 from hybridflow.mapping.search import Plan, pack_sets
 from hybridflow.mapping.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, SpecError, Workload
 
@@ -26,8 +27,6 @@ __all__ = ["plan_problems", "plan_to_config", "plan_to_yaml", "write_config"]
 #: plan role -> the config's worker role (resource_pool.mapping key); the reference runs in the actor's process
 CONFIG_ROLES = {"actor": "actor", "critic": "critic", "reward": "reward_model", "cost": "cost_model",
                 "cost_critic": "cost_critic"}
-#: layouts written per plan role: the phases the config's ``layouts`` section holds
-LAYOUT_PHASES = {"actor": ("train", "generate"), "critic": ("train",), "reference": ("infer",), "reward": ("infer",)}
 #: the model preset shipped with hybridflow, by its mapper name
 SHIPPED = {"tiny-arith": "builtin:tiny-arith"}
 

@@ -126,7 +126,7 @@ class AsyncTrainer(Driver):
     @classmethod
     def config_problems(cls, get: Get) -> list[str]:
         """Generators on a pool of their own, a staleness bound and queue that fit, an off-policy correction."""
-        from hybridflow.config.checks import async_problems
+        from hybridflow.trainer.driver_config import async_problems
 
         return async_problems(get)
 

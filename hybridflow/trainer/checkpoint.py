@@ -186,12 +186,12 @@ def resume_signature(config: DictConfig) -> dict[str, Any]:
     resolved (whether a critic is trained) and ``critic.model.path`` is the path the critic loads ("" = actor's)."""
     from omegaconf import OmegaConf
 
-    from hybridflow.config import need_critic
+    from hybridflow.algorithms import need_critic_for
     from hybridflow.trainer.driver import all_checkpointed_roles, get_driver
     from hybridflow.trainer.setup import resource_pool_spec
 
     sig = {key: OmegaConf.select(config, key, default=RESUME_DEFAULTS.get(key)) for key in RESUME_KEYS}
-    critic = need_critic(config)
+    critic = need_critic_for(config.critic.enable, config.algorithm.adv_estimator)
     sig["critic.enable"] = critic
     sig["critic.model.path"] = (sig["critic.model.path"] or sig["actor_rollout_ref.model.path"]) if critic else None
     pools, mapping = resource_pool_spec(config)

@@ -44,7 +44,7 @@ class ReMaxTrainer(Driver):
     @classmethod
     def config_problems(cls, get: Get) -> list[str]:
         """ReMax trains no critic."""
-        from hybridflow.config.checks import need_critic_for
+        from hybridflow.algorithms import need_critic_for
 
         estimator = get("algorithm.adv_estimator")
         if not need_critic_for(get("critic.enable"), estimator):

@@ -19,13 +19,14 @@ SCORE_MODEL = "hybridflow.workers.rm_worker:RewardModelWorker"
 def common_roles(config: Any, actor_role: str = "actor_rollout_ref") -> dict[str, Role]:
     """The roles of the PPO family: ``actor`` (its worker role ``actor_role``: with the rollout, or ``actor_ref``
     when generators sample), ``reward`` (rule reward and rule cost), ``critic`` when
-    :func:`~hybridflow.config.need_critic`, ``reward_model`` with ``reward_model.enable``."""
-    from hybridflow.config import need_critic
+    :func:`~hybridflow.algorithms.need_critic_for` (``critic.enable``, ``algorithm.adv_estimator``),
+    ``reward_model`` with ``reward_model.enable``."""
+    from hybridflow.algorithms import need_critic_for
 
     roles = {"actor": Role(ACTOR, actor_args, (actor_role,), checkpointed=True,
                            strategy_key="actor_rollout_ref.actor.strategy"),
              "reward": Role(RULE_REWARD, rule_reward_args)}
-    if need_critic(config):
+    if need_critic_for(config.critic.enable, config.algorithm.adv_estimator):
         roles["critic"] = Role(CRITIC, critic_args, checkpointed=True, strategy_key="critic.strategy")
     if config.reward_model.enable:
         roles["reward_model"] = Role(SCORE_MODEL, score_model_args, ("reward_model",),

@@ -68,14 +68,14 @@ class SafeRLHFTrainer(Driver):
     @classmethod
     def config_problems(cls, get: Get) -> list[str]:
         """Safe-RLHF needs GAE (a reward and a cost critic) and a cost (rule, model or both)."""
-        from hybridflow.config.checks import _names, declared, need_critic_for
+        from hybridflow.algorithms import ADV_ESTIMATORS, need_critic_for
 
         estimator, problems = get("algorithm.adv_estimator"), []
-        if not declared("adv_estimator", estimator, "needs_values") or not need_critic_for(get("critic.enable"),
-                                                                                           estimator):
+        if not ADV_ESTIMATORS.declared(estimator, "needs_values") or not need_critic_for(get("critic.enable"),
+                                                                                         estimator):
             problems.append(f"algorithm.driver=safe_rlhf uses a reward critic and a cost critic: set "
                             f"algorithm.adv_estimator to an estimator that reads values "
-                            f"({' | '.join(_names('adv_estimator', needs_values=True))}) and leave critic.enable "
+                            f"({' | '.join(ADV_ESTIMATORS.names(needs_values=True))}) and leave critic.enable "
                             f"unset, got adv_estimator={estimator}, critic.enable={get('critic.enable')}")
         if get("cost_model.rule") is None and not get("cost_model.enable"):
             problems.append("algorithm.driver=safe_rlhf needs a cost: set cost_model.rule (e.g. "

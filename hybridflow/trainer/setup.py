@@ -13,7 +13,6 @@ import torch
 
 from hybridflow.controller import (ColocatedWorkerGroup, RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager,
                                    create_groups)
-from hybridflow.config.layouts import log_layouts
 from hybridflow.controller.futures import CallTimeoutError, get_outputs
 from hybridflow.controller.worker import is_loopback
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
@@ -28,6 +27,7 @@ from hybridflow.utils.progress import Progress
 from hybridflow.rewards import check_data_sources
 from hybridflow.tools.config import prompt_tool_schemas
 from hybridflow.trainer.driver import Role, all_roles, get_driver
+from hybridflow.trainer.layouts import log_layouts
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -169,10 +169,10 @@ def _tokenizer(path: str, trust_remote_code: bool):
 def _sequence_models(config: DictConfig) -> list[tuple[str, Any]]:
     """(config key, model section) of every model that reads a whole prompt + response: the actor, the critic when
     trained from its own checkpoint, the reward and cost models when enabled."""
-    from hybridflow.config import need_critic
+    from hybridflow.algorithms import need_critic_for
 
     models = [("actor_rollout_ref.model.path", config.actor_rollout_ref.model)]
-    if need_critic(config) and config.critic.model.path:
+    if need_critic_for(config.critic.enable, config.algorithm.adv_estimator) and config.critic.model.path:
         models.append(("critic.model.path", config.critic.model))
     for role in ("reward_model", "cost_model"):
         section = config.get(role)
@@ -352,14 +352,11 @@ def colocate_roles(config: DictConfig, roles: dict[str, Role], mapping: dict[str
     not hold different layouts or seeds (a warning says so and every role gets processes of its own)."""
     from omegaconf import OmegaConf
 
-    from hybridflow.config.checks import DEFAULT_STRATEGY
+    from hybridflow.training import ENGINES
 
     if not config.trainer.colocate_roles:
         return False
     engines = {role: OmegaConf.select(config, spec.strategy_key) for role, spec in roles.items() if spec.strategy_key}
-    if all(name == DEFAULT_STRATEGY for name in engines.values()):  # fsdp2 keeps no process-wide state
-        return True
-    from hybridflow.training import ENGINES
 
     for pool in set(mapping.values()):
         stateful = [r for r, name in engines.items() if mapping[r] == pool

@@ -168,9 +168,9 @@ def absorb_metrics(update_out: Any, batch: DataProto) -> dict[str, float]:
 def warn_single_sample_groups(config: Any) -> None:
     """Warn once when a group-baseline estimator (GRPO, RLOO, REINFORCE++ with baseline) gets one sample per
     prompt: every advantage is then 0 and only a KL or entropy term moves the policy."""
-    from hybridflow.config.checks import declared
+    from hybridflow.algorithms import ADV_ESTIMATORS
 
     estimator = config.algorithm.adv_estimator
-    if config.actor_rollout_ref.rollout.n == 1 and declared("adv_estimator", estimator, "needs_groups"):
+    if config.actor_rollout_ref.rollout.n == 1 and ADV_ESTIMATORS.declared(estimator, "needs_groups"):
         logger.warning("algorithm.adv_estimator=%s compares the samples of each prompt, but "
                        "actor_rollout_ref.rollout.n=1: every advantage is 0 (set rollout.n > 1)", estimator)

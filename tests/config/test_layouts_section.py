@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from hybridflow.config import ConfigError, load_config
-from hybridflow.config.layouts import log_layouts, run_layouts
+from hybridflow.trainer.layouts import log_layouts, run_layouts
 
 TP = "actor_rollout_ref.actor.tensor_model_parallel_size"
 TP_G = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -72,7 +72,7 @@ def test_reference_must_follow_the_actor_and_tp_keys_must_agree():
 
 def test_log_names_every_role_and_marks_the_planned_ones(caplog):
     cfg = load_config("quickstart", FOUR + ["layouts.actor.train=[1,2,2]"])
-    with caplog.at_level(logging.INFO, logger="hybridflow.config.layouts"):
+    with caplog.at_level(logging.INFO, logger="hybridflow.trainer.layouts"):
         line = log_layouts(cfg)
     assert line == ("parallel layouts: actor train (dp=2, tp=2, pp=1) planned; actor generate (dp=4, tp=1, pp=1); "
                     "reference infer (dp=2, tp=2, pp=1); critic train (dp=4, tp=1, pp=1)")

@@ -38,7 +38,7 @@ EXEMPT = {
     # read as self.config[self.role].micro_batch_size_per_gpu / section.strategy in hybridflow/workers/rm_worker.py
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
     "reward_model.strategy", "cost_model.strategy",
-    # read by hybridflow.config.need_critic (config/checks.py), which trainer/setup.py calls to build the critic
+    # read by hybridflow.algorithms.need_critic_for (given critic.enable by config/checks.py and the trainer's roles)
     "critic.enable",
 }
 

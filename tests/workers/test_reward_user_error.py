@@ -44,7 +44,7 @@ def test_a_user_reward_raising_in_a_ray_actor_is_one_line_and_its_frames(tmp_pat
             non_tensors={"data_source": ["other/task", "hybridflow/arith"], "ground_truth": ["1", "2"],
                          "index": np.array([40, 41], dtype=object)})
         with pytest.raises(WorkerError) as err:
-            group.compute_rm_score(data)
+            group.compute_rm_score(data).batch  # the call returns its future; the read raises its rank's error
     finally:
         group.shutdown()
         pool.remove()
