@@ -48,8 +48,9 @@ import ray
 
 from hybridflow.controller.decorator import Dispatch
 from hybridflow.controller.futures import DataProtoFuture, Joined, PendingBatch
-from hybridflow.protocol import WORKER_TIME_PREFIX, DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from hybridflow.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from hybridflow.registry import Registry
+from hybridflow.utils.metrics import KINDS, finalize, reduce_metrics
 
 __all__ = [
     "DISPATCH_MODES",
@@ -314,8 +315,9 @@ def collect_rank_zero(outputs: list) -> Any:
 
 
 def collect_dp_compute_data_proto(outputs: list) -> DataProto:
-    """Concatenate the counted outputs in order (``meta_info`` from the first, ``WORKER_TIME_PREFIX`` keys the
-    maximum over them). Raises ``TypeError`` naming the first non-DataProto output."""
+    """Concatenate the counted outputs in order: ``meta_info`` from the first, except the values declared as metric
+    kinds, pooled over them (:func:`pool_declared_metrics`). Raises ``TypeError`` naming the first non-DataProto
+    output, or one key declared with two kinds."""
     for i, out in enumerate(outputs):
         if not isinstance(out, DataProto):
             raise TypeError(
@@ -323,9 +325,26 @@ def collect_dp_compute_data_proto(outputs: list) -> DataProto:
                 f"{len(outputs)} is a {type(out).__name__}"
             )
     merged = DataProto.concat(outputs)
-    for key in [k for k in merged.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
-        merged.meta_info[key] = max(out.meta_info.get(key, 0.0) for out in outputs)
+    merged.meta_info.update(pool_declared_metrics([out.meta_info for out in outputs]))
     return merged
+
+
+def pool_declared_metrics(metas: list[dict]) -> dict[str, Any]:
+    """The entries of several ranks' ``meta_info`` that are declared metric kinds (:mod:`hybridflow.utils.metrics`:
+    ``Mean``, ``Sum``, ``Max``, ``Min``, ``Std``), each pooled over the ranks that have it by its kind and finalized
+    to a float: a key whose value is a kind (e.g. a method's worker seconds, ``Max``: the driver waits for the
+    slowest rank), or a dict holding kinds (e.g. ``metrics``), whose plain numbers stay the first rank's (values
+    every rank already holds alike). Entries with no kind are not returned."""
+    pooled: dict[str, Any] = {}
+    for key in dict.fromkeys(k for meta in metas for k in meta):
+        values = [meta[key] for meta in metas if key in meta]
+        if isinstance(values[0], KINDS):
+            pooled[key] = reduce_metrics({key: v} for v in values)[key].result()
+        elif isinstance(values[0], dict) and any(isinstance(v, KINDS) for d in values for v in d.values()):
+            kinds = [{k: v for k, v in d.items() if isinstance(v, KINDS)} for d in values]
+            plain = {k: v for k, v in values[0].items() if not isinstance(v, KINDS)}
+            pooled[key] = {**plain, **finalize(reduce_metrics(kinds))}
+    return pooled
 
 
 # ---------------------------------------------------------------------- registry

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 
 from hybridflow.models import lora as lora_lib
+from hybridflow.utils.metrics import Max, Metric, Min
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,14 @@ def check_probe(expected: torch.Tensor, got: torch.Tensor, dtype: str, where: st
                            f"trainer's by {diff:.3g} (> {atol:g}); the {where} is not generating from the updated "
                            "policy")
     return {"sync/verified": 1.0, "sync/probe_max_abs_diff": diff, "sync/probe_logprob_sum": float(expected.sum())}
+
+
+def probe_metric_kinds(metrics: dict[str, float]) -> dict[str, Metric]:
+    """:func:`check_probe`'s metrics as the kinds they pool by over the ranks of a call: ``sync/verified`` ``Min``
+    (1.0 only if every rank verified), ``sync/probe_max_abs_diff`` ``Max``, ``sync/probe_logprob_sum`` ``Max`` (the
+    trainer's, the same on every rank)."""
+    kinds = {"sync/verified": Min, "sync/probe_max_abs_diff": Max, "sync/probe_logprob_sum": Max}
+    return {key: kinds[key](value) for key, value in metrics.items()}
 
 
 def verify_rollout_sync(trainer: torch.nn.Module, rollout: Any, vocab_size: int) -> dict[str, float]:

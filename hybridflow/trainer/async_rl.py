@@ -60,6 +60,7 @@ from hybridflow.trainer.driver import Driver, Get, Role, register_driver
 from hybridflow.trainer.driver_config import AsyncDriverConfig, async_config_problems
 from hybridflow.trainer.ppo import PPOTrainer, SharedWithPPO, common_roles
 from hybridflow.trainer.worker_inputs import generator_args
+from hybridflow.utils.metrics import finalize, reduce_metrics
 from hybridflow.utils.timer import timer
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class AsyncTrainer(Driver):
 
             metrics.update(self.ppo.update(batch, t, meanwhile))
             with timer("weight_push", t):
-                metrics.update(get_all(*push)[0][0])  # trainer rank 0's sync/* metrics
+                metrics.update(finalize(reduce_metrics(get_all(*push)[0])))  # sync/*, pooled over the trainer ranks
         metrics.update(self._async_metrics(batch, version, t))
         return self.ppo.step_metrics(batch, metrics, t)
 

@@ -14,8 +14,11 @@ any grouping (micro-batches, then ranks) gives the value of all the samples at o
 dicts key by key; :func:`accumulate` adds one value to a running dict; :func:`finalize` gives the floats to log
 (a metric with no samples, a ``Mean``/``Std`` of count 0 or a ``Max``/``Min`` of nothing, logs 0.0). The dp ranks of
 a group pool with :func:`hybridflow.distributed.gather_metrics`; the counted ranks of a worker-group call pool
-their ``meta_info["metrics"]`` when the controller collects them
-(:func:`~hybridflow.controller.dispatch.collect_dp_compute_data_proto`).
+the kinds in their ``meta_info`` (a kind, or a dict such as ``metrics`` holding kinds: worker seconds ``Max``, the
+LoRA probe check ...) when the controller collects them
+(:func:`~hybridflow.controller.dispatch.pool_declared_metrics`), and a driver pools a list of the ranks' dicts (e.g.
+``send_weights``: seconds ``Max``, bytes ``Sum``) with ``finalize(reduce_metrics(...))``. A plain float stays the
+first counted rank's: send one only for a value every rank holds alike.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from hybridflow.rollout import BaseRollout, get_rollout_class, uses_hybrid_engin
 from hybridflow.training import EngineSpec, engine_layout, get_engine_class
 from hybridflow.rollout.multi_turn import MultiTurnLoop, generate
 from hybridflow.utils.allocator import keep_freed_host_memory
+from hybridflow.utils.metrics import Max, Sum
 from hybridflow.workers import columns
 from hybridflow.workers.inputs import ActorInputs, ConfigSection, expect, expect_section
 from hybridflow.workers.engine_model import compute_dtypes
@@ -296,7 +297,7 @@ class ActorRolloutRefWorker(Worker):
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
         out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
         if self.sync_metrics:
-            out.meta_info["sync_metrics"] = self.sync_metrics
+            out.meta_info["sync_metrics"] = lora_sync.probe_metric_kinds(self.sync_metrics)
         if self.engine is not None:
             self.engine.check_lockstep(out.batch["responses"])
         out.meta_info.pop("seed", None)
@@ -373,8 +374,9 @@ class ActorRolloutRefWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def send_weights(self, version: int) -> dict[str, float]:
         """Gather the full weights (every rank, one tensor at a time) and broadcast them bucket by bucket from
-        rank 0 to the generators. Returns rank 0's ``sync/weight_transfer_s`` (seconds) and
-        ``sync/weight_transfer_bytes`` (bytes per generator rank); ``version`` is logged only."""
+        rank 0 to the generators. Returns rank 0's ``sync/weight_transfer_s`` (seconds, a ``Max`` over the ranks)
+        and ``sync/weight_transfer_bytes`` (bytes per generator rank, a ``Sum``: only rank 0 sends); ``version`` is
+        logged only."""
         self._switch_to_training()
         start = time.perf_counter()
         bucket = self.config.rollout.update_weights_bucket_megabytes << 20
@@ -385,7 +387,7 @@ class ActorRolloutRefWorker(Worker):
         sent = self._weight_sync.send(self._push_items(), self._sync_layout, bucket)
         seconds = time.perf_counter() - start
         logger.debug("sent weights of version %d: %d bytes in %.3fs", version, sent, seconds)
-        return {"sync/weight_transfer_s": seconds, "sync/weight_transfer_bytes": float(sent)}
+        return {"sync/weight_transfer_s": Max(seconds), "sync/weight_transfer_bytes": Sum(float(sent))}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -163,5 +163,5 @@ class GeneratorWorker(Worker):
             out.batch["policy_version"] = torch.full((len(out),), self.version, dtype=torch.long)
             out.meta_info.pop("seed", None)
             if sync_metrics:
-                out.meta_info["sync_metrics"] = sync_metrics
+                out.meta_info["sync_metrics"] = lora_sync.probe_metric_kinds(sync_metrics)
             return out

@@ -28,6 +28,7 @@ from hybridflow.controller.dispatch import (
     dispatch_dp_compute_data_proto,
 )
 from hybridflow.protocol import DataProto
+from hybridflow.utils.metrics import Max, Mean, Min, Sum
 
 
 class FakeGroup:
@@ -160,10 +161,32 @@ def test_all_to_all_error_names_argument_and_lengths():
 
 
 def test_collect_dp_keeps_the_slowest_ranks_worker_seconds():
-    outs = [DataProto(meta_info={"worker_s/update_actor": t, "metrics": {"rank": r}}) for r, t in enumerate((0.2, 0.5))]
+    outs = [DataProto(meta_info={"worker_s/update_actor": Max(t), "metrics": {"rank": r}})
+            for r, t in enumerate((0.2, 0.5))]
     merged = collect_dp_compute_data_proto(outs)
     assert merged.meta_info["worker_s/update_actor"] == 0.5  # the driver waited for rank 1
     assert merged.meta_info["metrics"] == {"rank": 0}  # other meta_info: the first output's
+
+
+def test_collect_dp_pools_each_declared_metric_by_its_kind_over_two_ranks():
+    # two ranks' hand-made outputs, as report_time, send_weights-like totals, the LoRA probe check and an update's
+    # already-pooled metrics declare them
+    rank0 = {"worker_s/generate_sequences": Max(1.5), "seed": 7,
+             "metrics": {"actor/pg_loss": 0.25, "sync/bytes": Sum(100.0), "x/mean": Mean(6.0, 3.0),
+                         "x/min": Min(2.0)},
+             "sync_metrics": {"sync/verified": Min(1.0), "sync/probe_max_abs_diff": Max(1e-6)}}
+    rank1 = {"worker_s/generate_sequences": Max(2.5), "seed": 8,
+             "metrics": {"actor/pg_loss": 0.25, "sync/bytes": Sum(40.0), "x/mean": Mean(10.0, 1.0),
+                         "x/min": Min(-1.0)},
+             "sync_metrics": {"sync/verified": Min(0.0), "sync/probe_max_abs_diff": Max(3e-6)},
+             "worker_s/only_here": Max(0.75)}
+    meta = collect_dp_compute_data_proto([DataProto(meta_info=rank0), DataProto(meta_info=rank1)]).meta_info
+    assert meta["worker_s/generate_sequences"] == 2.5 and meta["worker_s/only_here"] == 0.75
+    assert meta["seed"] == 7  # no kind: the first rank's
+    assert meta["metrics"] == {"actor/pg_loss": 0.25, "sync/bytes": 140.0, "x/mean": 4.0, "x/min": -1.0}
+    assert meta["sync_metrics"] == {"sync/verified": 0.0, "sync/probe_max_abs_diff": 3e-6}
+    with pytest.raises(TypeError):  # one key declared as two kinds
+        collect_dp_compute_data_proto([DataProto(meta_info={"m": Max(1.0)}), DataProto(meta_info={"m": Sum(1.0)})])
 
 
 def test_collect_dp_rejects_non_dataproto_output():
