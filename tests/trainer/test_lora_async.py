@@ -16,6 +16,7 @@ from hybridflow.models import lora_sync  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
 from hybridflow.trainer.worker_inputs import rollout_lora_adapters  # noqa: E402
+from hybridflow.utils.metrics import finalize  # noqa: E402
 
 LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
 ASYNC = ["trainer.total_training_steps=3", "trainer.save_freq=-1", "trainer.test_freq=-1",
@@ -92,7 +93,8 @@ def _generator_rank(rank: int, backend: str, out: str) -> None:
         if version == 2:
             Rollout.load_weights = lambda self, weights: None  # the push never reaches the model
         try:
-            result[version] = worker.generate_sequences(prompts).meta_info.get("sync_metrics")
+            # a rank's own output declares the kinds the controller pools over ranks: one rank's values
+            result[version] = finalize(worker.generate_sequences(prompts).meta_info["sync_metrics"])
         except RuntimeError as exc:
             result[version] = str(exc)
     if backend == "vllm":

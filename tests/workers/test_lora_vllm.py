@@ -20,6 +20,7 @@ from hybridflow.distributed.launch import spawn_ranks  # noqa: E402
 from helpers.lora_ranks import P, R, WORLD, lora_config, response_batch, train_batch  # noqa: E402
 from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
+from hybridflow.utils.metrics import finalize  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def _rank(rank: int, sync: str, out: str) -> None:
     prompts = _prompts()
     _train(worker, worker.generate_sequences(prompts), step=0)
     gen1 = worker.generate_sequences(prompts)  # syncs and verifies
-    res["sync"] = gen1.meta_info.get("sync_metrics")
+    res["sync"] = finalize(gen1.meta_info["sync_metrics"])  # one rank's: the kinds the controller pools
     res["engine_probe1"] = lora_sync.rollout_probe(worker.rollout, vocab)
     res["payload1"], res["merged1"], res["trainer_probe1"] = _state(worker)
     res["trainer_lp1"] = worker.compute_log_prob(response_batch(gen1)).batch["old_log_probs"]

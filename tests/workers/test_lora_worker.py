@@ -19,6 +19,7 @@ from helpers.lora_ranks import P, WORLD, lora_config, response_batch, train_batc
 from helpers.lora_ranks import prompts as _prompts  # noqa: E402
 from hybridflow.models.hf import load_causal_lm  # noqa: E402
 from hybridflow.protocol import DataProto  # noqa: E402
+from hybridflow.utils.metrics import finalize  # noqa: E402
 
 # logprobs of one policy from two fp32 computations (rollout vs trainer, merged vs adapters): rounding only
 LOGPROB_ATOL = 5e-5
@@ -75,7 +76,7 @@ def _rank(rank: int, sync: str, mode: str, out: str) -> None:
     worker.update_actor(batch)
     result["optim_states"] = len(worker.actor.optimizer.state)
     gen1 = worker.generate_sequences(prompts)
-    result["sync"] = gen1.meta_info.get("sync_metrics")
+    result["sync"] = finalize(gen1.meta_info["sync_metrics"])  # one rank's: the kinds the controller pools
     recheck = response_batch(gen1)
     result["responses1"], result["rollout_lp1"] = gen1.batch["responses"], gen1.batch["rollout_log_probs"]
     result["mask1"] = gen1.batch["response_mask"]
