@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import ray
 
@@ -93,8 +93,10 @@ def unread_calls(include_live: bool = False) -> list[CallRecord]:
     return [records[n] for n in sorted(records)]
 
 
-def raise_unread_errors(wait: bool = False) -> None:
-    """Check the calls whose output nobody read (see the module docstring), in call order.
+def raise_unread_errors(wait: bool = False, groups: Optional[Iterable[str]] = None) -> None:
+    """Check the calls whose output nobody read (see the module docstring), in call order; with ``groups`` (worker
+    group names) only the calls of those groups (a checkpoint waits for the groups it saves, not for, say, a
+    look-ahead generation on another group).
 
     ``wait=False``: only abandoned calls, only their ranks that have finished (``ray.wait(..., timeout=0)``); never
     blocks on a running call. ``wait=True``: every unread call, also one whose future still lives, each waited for
@@ -105,7 +107,10 @@ def raise_unread_errors(wait: bool = False) -> None:
         WorkerError: a checked call failed on a rank (names its group, rank and method, as a read would).
         CallTimeoutError: ``wait=True`` and a call's ranks had not answered within its group's ``call_timeout_s``.
     """
+    names = None if groups is None else set(groups)
     for record in unread_calls(include_live=wait):
+        if names is not None and record.group not in names:
+            continue
         if record.state != _OPEN:
             continue  # closed meanwhile (a finalizer ran)
         if wait:

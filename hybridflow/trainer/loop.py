@@ -93,15 +93,16 @@ class TrainLoop:
 
     def save_checkpoint(self) -> str:
         """Checkpoint the driver's groups (sharded, per rank), the resolved config and the loop and driver state,
-        atomically; returns the checkpoint directory. First waits for every worker-group call whose output nobody
+        atomically; returns the checkpoint directory. First waits for every call of those groups whose output nobody
         read: a checkpoint is never written after a failed update.
 
         Raises:
             WorkerError: an unread call failed (names its group, rank and method); nothing is written.
             CallTimeoutError: an unread call did not end within its group's ``call_timeout_s``.
         """
-        raise_unread_errors(wait=True)
-        writers = {name: group.save_checkpoint for name, group in self.driver.checkpointed_groups().items()}
+        groups = self.driver.checkpointed_groups()
+        raise_unread_errors(wait=True, groups=[group.name for group in groups.values()])
+        writers = {name: group.save_checkpoint for name, group in groups.items()}
         writers[CONFIG_FILE] = functools.partial(save_config, self.config, run_info=self.run_info)
         state = {"global_step": self.global_step, "data_position": self.consumed(),
                  **{name: obj.state_dict() for name, obj in self.driver.checkpointed_state().items()}}

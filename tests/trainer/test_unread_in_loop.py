@@ -2,6 +2,7 @@
 is then not written). Ray stands in: string refs, a stand-in ``ray.wait`` and fetch."""
 
 import os
+import types
 
 import pytest
 import torch
@@ -59,16 +60,27 @@ def batches(position):
         yield DataProto.from_dict({"x": torch.zeros(2)})
 
 
+class SavesActor(Driver):
+    """A driver that checkpoints one group named ``actor`` (a stand-in: the loop only reads its name first)."""
+
+    def checkpointed_groups(self):
+        return {"actor": types.SimpleNamespace(name="actor", save_checkpoint=None)}
+
+
 def test_a_checkpoint_is_not_written_after_an_unread_failed_update(tmp_path, failed):
     cfg = load_config("quickstart", [f"trainer.default_local_dir={tmp_path}"])
-    loop = TrainLoop(cfg, Driver())
+    loop = TrainLoop(cfg, SavesActor())
     held = update_actor(["a0", "a1"])  # held, unread: the blocking check before the save checks it too
     failed.add("a0")
+    ahead = DataProtoFuture(DataProto.concat, ["g0"], source=("generator", "generate_sequences", [0]),
+                            call=unread.track(["g0"], [0], "generator", "generate_sequences"))
+    failed.add("g0")  # a group the checkpoint does not save: not waited for (a look-ahead generation)
     loop.global_step = 3
     with pytest.raises(WorkerError, match=r"worker group 'actor': rank 0 failed in update_actor\(\)"):
         loop.save_checkpoint()
     assert os.listdir(tmp_path) == []
-    del held
+    assert [r.group for r in unread.unread_calls(include_live=True)] == ["generator"]  # left for its reader
+    del held, ahead
 
 
 def test_fit_stops_after_the_step_whose_unread_update_failed(tmp_path, failed):
