@@ -3,7 +3,9 @@
 The config, the data and the worker groups come from the library; the loop is yours to edit (add a phase,
 reorder, log something). Every worker-group call returns its future at once and ``union`` records it unread: the
 loop waits only where it reads a value (the advantages, the printed numbers), so calls that need not wait for each
-other run together. Read each call's output you depend on: a call whose output is never read reports no error. Run: ``python examples/ppo_driver.py [key=value ...]`` (the quickstart's keys, e.g.
+other run together. A call whose output is never read still reports its failure, at the next worker-group call
+(or call ``hybridflow.controller.raise_unread_errors(wait=True)`` to wait for it, e.g. before saving). Run:
+``python examples/ppo_driver.py [key=value ...]`` (the quickstart's keys, e.g.
 ``trainer.total_training_steps=20``). It prints one line per step and the validation score before and after.
 """
 

@@ -14,6 +14,7 @@ from hybridflow.controller.dispatch import (
 )
 from hybridflow.controller.futures import CallTimeoutError, DataProtoFuture, WorkerError
 from hybridflow.controller.resource_pool import ResourceError, ResourcePool, ResourcePoolManager
+from hybridflow.controller.unread import raise_unread_errors
 from hybridflow.controller.worker import Worker
 from hybridflow.controller.worker_group import RayClassWithInitArgs, RayWorkerGroup
 from hybridflow.controller.colocated import ColocatedWorkerGroup, can_colocate, create_colocated, create_groups
@@ -41,6 +42,7 @@ __all__ = [
     "create_groups",
     "get_dispatch_mode",
     "get_method_spec",
+    "raise_unread_errors",
     "register",
     "register_dispatch_mode",
 ]

@@ -173,6 +173,10 @@ class DataProtoFuture:
         by_rank: the outputs may be handed to consumers one per rank (:meth:`split_by_rank`).
         timeout_s: how long :meth:`get` waits for the producing call (None: unbounded); the producing group's
             ``call_timeout_s``.
+        call: the call's :class:`~hybridflow.controller.unread.CallRecord` (shared by the futures derived from this
+            one), closed when the output is read or handed on (pickled for another call, split into its ranks'
+            refs); if every future of the call is collected unread, the call's error surfaces at the next
+            :func:`~hybridflow.controller.unread.raise_unread_errors`. None: untracked.
     """
 
     def __init__(
@@ -183,7 +187,11 @@ class DataProtoFuture:
         source: Optional[tuple[str, str, list[int]]] = None,
         by_rank: bool = False,
         timeout_s: Optional[float] = None,
+        call: Any = None,
     ) -> None:
+        self._call = call
+        if call is not None:
+            call.attach()
         self.collect_fn = collect_fn
         self.futures = list(futures)
         self.dispatch_fn = dispatch_fn
@@ -194,8 +202,21 @@ class DataProtoFuture:
 
     __dataproto_future__ = True  # DataProto.union records it without waiting (hybridflow.protocol)
 
-    def __getstate__(self) -> dict:  # the cached output stays with the reader that fetched it
-        return {k: v for k, v in self.__dict__.items() if k != "_value"}
+    def __getstate__(self) -> dict:
+        """Pickled, the future is handed on (another call's argument): its call's error surfaces through that
+        consumer, so the call is no longer tracked here. The cached output stays with the reader that fetched it."""
+        self._close_call()
+        return {k: v for k, v in self.__dict__.items() if k not in ("_value", "_call")}
+
+    def _close_call(self) -> None:
+        call = self.__dict__.get("_call")
+        if call is not None:
+            call.close()
+
+    def __del__(self) -> None:
+        call = self.__dict__.get("_call")
+        if call is not None:
+            call.release()
 
     def done(self) -> bool:
         """Whether every producing rank has finished (successfully or not); never waits."""
@@ -236,7 +257,7 @@ class DataProtoFuture:
         fetching every output and splitting the batch again. Other splits fall back to :meth:`chunk`'s lazy
         pieces."""
         return DataProtoFuture(self.collect_fn, self.futures, self.dispatch_fn, self.source, by_rank=True,
-                               timeout_s=self.timeout_s)
+                               timeout_s=self.timeout_s, call=self.__dict__.get("_call"))
 
     def _rank_outputs(self, chunks: int) -> Optional[list[ray.ObjectRef]]:
         """The counted outputs' refs when they are the ``chunks`` chunks one to one (:meth:`split_by_rank`): the
@@ -257,11 +278,12 @@ class DataProtoFuture:
         if not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunk: chunks must be a positive int, got {chunks!r}")
         outputs = self._rank_outputs(chunks)
-        if outputs is not None:
+        if outputs is not None:  # handed on as the ranks' refs: the consumer's read raises the error
+            self._close_call()
             return outputs
         return [
             DataProtoFuture(self.collect_fn, self.futures, _SelectChunk(chunks, i, self.dispatch_fn), self.source,
-                            timeout_s=self.timeout_s)
+                            timeout_s=self.timeout_s, call=self.__dict__.get("_call"))
             for i in range(chunks)
         ]
 
@@ -276,6 +298,7 @@ class DataProtoFuture:
             ValueError: this is a chunk of a batch whose size is not divisible by the number of chunks.
         """
         if self.__dict__.get("_value", _UNSET) is _UNSET:
+            self._close_call()  # read: its error (if any) surfaces here
             group, method, ranks = self.source
             self._cache(get_outputs(self.futures, ranks, group, method, self.timeout_s))
         return self._value

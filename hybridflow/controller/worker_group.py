@@ -4,7 +4,8 @@ Building a group starts one actor per bundle of a ``ResourcePool`` (rank ``r`` i
 ``torchrun`` environment variables in each (see ``worker.py``) and binds every ``register``-ed method of the
 class onto the group object: ``wg.compute(batch)`` dispatches ``batch`` per the method's dispatch mode, runs the
 method on the ranks its execute mode names, and collects the outputs. A method whose mode collects a ``DataProto``
-returns a ``DataProtoFuture`` at once (read lazily: ``futures.py``); other modes wait and return the collected
+returns a ``DataProtoFuture`` at once (read lazily: ``futures.py``; a call dropped unread reports its failure at
+the next call, ``unread.py``); other modes wait and return the collected
 value (``blocking=False``: a list of ``ObjectRef``). A ``DataProto`` argument holding futures (``union``-ed, not yet
 read) reaches the ranks as a ``PendingBatch``: each rank fetches its chunk of the futures' outputs itself. Calls of
 groups on one resource pool run one after the other (:class:`_PoolOrder`); calls on different pools run together.
@@ -40,6 +41,7 @@ from hybridflow.controller.dispatch import (
 from hybridflow.controller.futures import DataProtoFuture, PendingBatch, get_outputs
 from hybridflow.protocol import DataProto
 from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.unread import raise_unread_errors, track
 from hybridflow.controller.worker import MASTER_LATER, Worker
 
 logger = logging.getLogger(__name__)
@@ -245,6 +247,16 @@ class _WorkerGroupBase:
 
     def _call(self, method_name: str, remote_name: str, spec: MethodSpec, mode: Any, args: tuple, kwargs: dict,
               after: Sequence[ray.ObjectRef] = (), future: bool = False) -> Any:
+        """Dispatch, run and collect one call of a registered method (see the module docstring). First the earlier
+        calls whose futures were dropped unread and have finished are checked (:func:`raise_unread_errors`).
+
+        Raises:
+            WorkerError: an earlier call nobody read failed (names its group, rank and method); or, for a blocking
+                call, a rank of this one failed.
+            CallTimeoutError: a blocking call's ranks did not answer within ``call_timeout_s``.
+            DispatchError: the arguments cannot be dispatched (e.g. batch sizes differ).
+        """
+        raise_unread_errors(wait=False)
         args = tuple(_argument(a, spec, mode) for a in args)  # the columns the method declares it reads
         kwargs = {k: _argument(v, spec, mode) for k, v in kwargs.items()}
         try:
@@ -275,7 +287,8 @@ class _WorkerGroupBase:
         collector = Collector(mode.collect_fn, [ranks.index(r) for r in counted], padding)
         if mode.returns_proto or future:  # a DataProto's call (or a submitted one) returns its future at once
             return DataProtoFuture(collector, refs, source=(self._name, method_name, ranks),
-                                   by_rank=spec.rows_per_row, timeout_s=self._call_timeout_s)
+                                   by_rank=spec.rows_per_row, timeout_s=self._call_timeout_s,
+                                   call=track(refs, ranks, self._name, method_name, self._call_timeout_s))
         if not spec.blocking:
             return [refs[ranks.index(r)] for r in counted]
         return collector(get_outputs(refs, ranks, self._name, method_name, self._call_timeout_s))

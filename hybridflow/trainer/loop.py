@@ -7,9 +7,15 @@ what a step does. One run::
     driver.start(cursor at the data position, step)
     validate before training (trainer.val_before_train, fresh runs only)
     until total_steps: step += 1; metrics = driver.step(driver.take_batch())
+                       raise the error of a finished worker-group call whose output the step never read
                        validate every trainer.test_freq steps and at the end
-                       checkpoint every trainer.save_freq steps and at the end
+                       checkpoint every trainer.save_freq steps and at the end (after every unread call ended well)
                        tracker.log(metrics, step)
+    wait for the calls nobody read and raise the first failure
+
+A driver need not read every call's output (e.g. an update's metrics): a call dropped unread that failed raises its
+``WorkerError`` after the step (if it has finished by then; else at the next worker-group call, or at the latest
+before the next checkpoint or the end of the run), see :func:`hybridflow.controller.unread.raise_unread_errors`.
 
 The data position counts the prompt batches consumed (one per step; more when a step pulls extra ones, as DAPO's
 dynamic sampling does; batches a driver holds in flight are not counted, see
@@ -25,6 +31,7 @@ import os
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from hybridflow.controller.unread import raise_unread_errors
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.checkpoint import CONFIG_FILE, CheckpointManager, load_trainer_state, save_config
 from hybridflow.trainer.driver import Driver
@@ -86,8 +93,16 @@ class TrainLoop:
 
     def save_checkpoint(self) -> str:
         """Checkpoint the driver's groups (sharded, per rank), the resolved config and the loop and driver state,
-        atomically; returns the checkpoint directory."""
-        writers = {name: group.save_checkpoint for name, group in self.driver.checkpointed_groups().items()}
+        atomically; returns the checkpoint directory. First waits for every call of those groups whose output nobody
+        read: a checkpoint is never written after a failed update.
+
+        Raises:
+            WorkerError: an unread call failed (names its group, rank and method); nothing is written.
+            CallTimeoutError: an unread call did not end within its group's ``call_timeout_s``.
+        """
+        groups = self.driver.checkpointed_groups()
+        raise_unread_errors(wait=True, groups=[group.name for group in groups.values()])
+        writers = {name: group.save_checkpoint for name, group in groups.items()}
         writers[CONFIG_FILE] = functools.partial(save_config, self.config, run_info=self.run_info)
         state = {"global_step": self.global_step, "data_position": self.consumed(),
                  **{name: obj.state_dict() for name, obj in self.driver.checkpointed_state().items()}}
@@ -125,7 +140,12 @@ class TrainLoop:
 
     def fit(self, train_batches: TrainBatches, val_data: Optional[DataProto], total_steps: int) -> dict:
         """Resume, then run steps up to ``total_steps`` (see the module docstring); returns the last validation
-        metrics (empty when none ran)."""
+        metrics (empty when none ran).
+
+        Raises:
+            WorkerError: a worker-group call failed: one the driver read raises where it read it; one it never read
+                after its step (once finished), at the next call, before the next checkpoint, or at the end.
+        """
         cfg = self.config.trainer
         val_metrics: dict[str, float] = {}
         start = self.resume()
@@ -140,6 +160,7 @@ class TrainLoop:
             self.global_step += 1
             self.driver.global_step = self.global_step
             metrics = self.driver.step(self.driver.take_batch())
+            raise_unread_errors(wait=False)  # a look-ahead call still running is not waited for
             last = self.global_step == total_steps
             if val_data is not None and cfg.test_freq > 0 and (self.global_step % cfg.test_freq == 0 or last):
                 val_start = time.perf_counter()
@@ -151,6 +172,7 @@ class TrainLoop:
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - save_start
             metrics["timing_s/iteration"] = time.perf_counter() - step_start
             self._log(metrics, self.global_step)
+        raise_unread_errors(wait=True)
         return val_metrics
 
     def _log(self, metrics: dict[str, float], step: int) -> None:
