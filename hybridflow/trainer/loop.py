@@ -101,7 +101,7 @@ class TrainLoop:
             CallTimeoutError: an unread call did not end within its group's ``call_timeout_s``.
         """
         groups = self.driver.checkpointed_groups()
-        raise_unread_errors(wait=True, groups=[group.name for group in groups.values()])
+        raise_unread_errors(wait=True, groups=[getattr(group, "name", role) for role, group in groups.items()])
         writers = {name: group.save_checkpoint for name, group in groups.items()}
         writers[CONFIG_FILE] = functools.partial(save_config, self.config, run_info=self.run_info)
         state = {"global_step": self.global_step, "data_position": self.consumed(),
