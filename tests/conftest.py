@@ -1,6 +1,7 @@
 """Shared fixtures: one local Ray session (CPU only) for every in-process test that needs Ray."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -118,3 +119,13 @@ def quickstart_run(tmp_path_factory):
     from helpers.quickstart_run import run_quickstart
 
     return run_quickstart(tmp_path_factory.mktemp("quickstart_run"))
+
+
+@pytest.fixture(autouse=True)
+def _forget_unread_calls():
+    """A test that leaves a failed worker-group call unread (on purpose, or as its groups are torn down) must not
+    make a later test's next call raise it: the controller's unread-call registry is per process."""
+    yield
+    unread = sys.modules.get("hybridflow.controller.unread")
+    if unread is not None:
+        unread.forget()

@@ -33,6 +33,7 @@ import ray
 
 from hybridflow.controller.decorator import get_registered_methods
 from hybridflow.controller.resource_pool import ResourcePool
+from hybridflow.controller.unread import forget
 from hybridflow.controller.worker_group import (
     ActorSet,
     RayClassWithInitArgs,
@@ -165,8 +166,10 @@ class ColocatedWorkerGroup(_WorkerGroupBase):
         return f"{self._name}{SEPARATOR}{method_name}"
 
     def shutdown(self) -> None:
-        """Kill the shared actors (every colocated view's); safe to call twice, and from every view."""
+        """Kill the shared actors (every colocated view's) and forget the views' calls nobody read; safe to call
+        twice, and from every view."""
         self._actors.shutdown()
+        forget([self._name, *self.colocated_with])
 
 
 def create_colocated(resource_pool: ResourcePool, classes: dict[str, RayClassWithInitArgs],

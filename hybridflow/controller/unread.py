@@ -93,6 +93,15 @@ def unread_calls(include_live: bool = False) -> list[CallRecord]:
     return [records[n] for n in sorted(records)]
 
 
+def forget(groups: Optional[Iterable[str]] = None) -> None:
+    """Stop tracking the unread calls of ``groups`` (worker group names; None: every group) without checking them:
+    for groups that are gone (shut down, their pool removed), whose calls' errors no step depends on any more."""
+    names = None if groups is None else set(groups)
+    for record in unread_calls(include_live=True):
+        if names is None or record.group in names:
+            record.close()
+
+
 def raise_unread_errors(wait: bool = False, groups: Optional[Iterable[str]] = None) -> None:
     """Check the calls whose output nobody read (see the module docstring), in call order; with ``groups`` (worker
     group names) only the calls of those groups (a checkpoint waits for the groups it saves, not for, say, a

@@ -41,7 +41,7 @@ from hybridflow.controller.dispatch import (
 from hybridflow.controller.futures import DataProtoFuture, PendingBatch, get_outputs
 from hybridflow.protocol import DataProto
 from hybridflow.controller.resource_pool import ResourcePool
-from hybridflow.controller.unread import raise_unread_errors, track
+from hybridflow.controller.unread import forget, raise_unread_errors, track
 from hybridflow.controller.worker import MASTER_LATER, Worker
 
 logger = logging.getLogger(__name__)
@@ -469,8 +469,9 @@ class RayWorkerGroup(_WorkerGroupBase):
         return groups
 
     def shutdown(self) -> None:
-        """Kill every actor of the group. Safe to call twice."""
+        """Kill every actor of the group, and forget its calls nobody read. Safe to call twice."""
         self._actors.shutdown()
+        forget([self._name])
 
 
 def share_of(resource_pool: ResourcePool, fraction: float, num_cpus: Optional[float] = None) -> dict[str, float]:

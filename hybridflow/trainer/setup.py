@@ -14,6 +14,7 @@ import torch
 from hybridflow.controller import (ColocatedWorkerGroup, RayClassWithInitArgs, RayWorkerGroup, ResourcePoolManager,
                                    create_groups)
 from hybridflow.controller.futures import CallTimeoutError, get_outputs
+from hybridflow.controller.unread import forget
 from hybridflow.controller.worker import is_loopback
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
@@ -343,6 +344,7 @@ def worker_groups(config: DictConfig, total_steps: int) -> Iterator[dict[str, Wo
         yield groups
     finally:
         manager.remove()
+        forget()  # the groups are gone: their calls nobody read concern no later step
 
 
 def colocate_roles(config: DictConfig, roles: dict[str, Role], mapping: dict[str, str]) -> bool:

@@ -156,3 +156,17 @@ def test_a_never_read_failed_call_raises_at_the_next_call(pool2):
         assert unread.unread_calls(include_live=True) == []
     finally:
         group.shutdown()
+
+
+def test_forget_drops_the_calls_of_the_named_groups_only(fake):
+    """A group that is gone (shut down, its pool removed): its unread calls are dropped unchecked, others stay."""
+    kept, gone = call("kept", "m", ["k0"]), call("gone", "m", ["g0"])
+    call("gone", "dropped", ["g1"])  # abandoned at once
+    fake.finished |= {"g0", "g1"}
+    fake.failed |= {"g0", "g1"}
+    unread.forget(["gone"])
+    assert [r.group for r in unread.unread_calls(include_live=True)] == ["kept"]
+    raise_unread_errors(wait=False)  # the gone group's failures are not raised
+    unread.forget()
+    assert unread.unread_calls(include_live=True) == []
+    del kept, gone
