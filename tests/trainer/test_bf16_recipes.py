@@ -14,13 +14,10 @@ assert, with bf16 tolerances:
   whose KL loss weighs 0);
 * every logged value is finite, and ``val/score`` is a finite score in [0, 1].
 
-Grouped, to keep CI short (each run costs a Ray worker-group start-up): ``grpo``, ``rloo``, ``reinforce_pp`` and
-``drgrpo`` run the same engine (fsdp2), rollout (hf) and driver as ``dapo``, which also takes the dynamic-sampling
-path; they differ only in the advantage estimator and the loss aggregation, fp32 math on the fp32 logprobs the
-engines compute from bf16 logits (``logits.float()``), covered in fp32 by tests/trainer/test_algorithms_e2e.py and
-by the unit tests of hybridflow/algorithms. Their KL-loss term (``use_kl_loss``, low_var_kl) runs here in ``lora``
-and ``tool_grpo``. ``quickstart`` runs with the vLLM rollout (its fsdp2 critic is also in ``safe_rlhf``), and
-``megatron_quickstart`` is the quickstart on megatron (2 pipeline stages) with the hf rollout.
+Every shipped recipe runs (``grpo``, ``rloo``, ``reinforce_pp`` and ``drgrpo`` share dapo's engine, rollout and
+driver and differ in the advantage estimator, the loss aggregation and where the KL enters: loss or reward).
+``quickstart`` runs with the vLLM rollout (its fsdp2 critic is also in ``safe_rlhf``), and ``megatron_quickstart`` is
+the quickstart on megatron (2 pipeline stages) with the hf rollout.
 """
 
 from __future__ import annotations
@@ -66,6 +63,10 @@ RUNS = {
         "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
         "critic.ppo_micro_batch_size_per_gpu=1"], "megatron.core"),
     "dapo_quickstart": ("dapo_quickstart", NO_KL_RECIPE, None),
+    "grpo_quickstart": ("grpo_quickstart", [], None),  # KL as a loss term
+    "rloo_quickstart": ("rloo_quickstart", [], None),  # KL in the reward
+    "reinforce_pp_quickstart": ("reinforce_pp_quickstart", [], None),  # KL in the reward
+    "drgrpo_quickstart": ("drgrpo_quickstart", NO_KL_RECIPE, None),
     "lora_quickstart": ("lora_quickstart", [], None),
     # the trainer recomputes pi_old (the recipe takes the generator's logprobs as is), so the gap is measured
     "async_grpo_quickstart": ("async_grpo_quickstart", ["algorithm.bypass_old_log_prob=false", *NO_KL_RECIPE], None),
