@@ -206,15 +206,16 @@ def _run_passes(generator: BaseRollout, tokenizer: Any, score: Callable[[DataPro
 
     def on_chunk(name: str, rows: DataProto, scores: list[float]) -> None:
         nonlocal written
+        texts = decode_responses(tokenizer, rows) if out is not None or passes[name]["n"] >= 2 else []
         if out is not None:
-            _write_responses(out, tokenizer, rows, scores, name, passes[name]["n"])
+            _write_responses(out, texts, rows, scores, name, passes[name]["n"])
             out.flush()
             written += len(rows)
         scored[name] += len(rows) // passes[name]["n"]
         if passes[name]["n"] >= 2:
             sources = rows.non_tensor_batch["data_source"]
             answers.setdefault(name, []).extend(
-                extract_answer(str(src), text) for src, text in zip(sources, decode_responses(tokenizer, rows)))
+                extract_answer(str(src), text) for src, text in zip(sources, texts))
 
     try:
         return score_passes(generator.generate_sequences, score, data, passes, batch_size, seed,
@@ -254,10 +255,10 @@ def build_rollout(name: str, model_path: str, config: SimpleNamespace, tokenizer
                                    trust_remote_code=trust_remote_code, max_model_len=max_model_len)
 
 
-def _write_responses(out: Any, tokenizer: Any, scored: DataProto, scores: list[float], name: str, n: int) -> None:
-    """One JSON line per scored response (see :func:`evaluate`, ``output``)."""
+def _write_responses(out: Any, texts: list[str], scored: DataProto, scores: list[float], name: str, n: int) -> None:
+    """One JSON line per scored response (``texts``: the decoded responses; see :func:`evaluate`, ``output``)."""
     rows = scored.non_tensor_batch
-    for i, text in enumerate(decode_responses(tokenizer, scored)):
+    for i, text in enumerate(texts):
         out.write(json.dumps({
             "index": int(rows["index"][i]), "data_source": rows["data_source"][i], "prompt": rows["raw_prompt"][i],
             "response": text, "ground_truth": rows["ground_truth"][i], "score": scores[i], "pass": name,

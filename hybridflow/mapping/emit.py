@@ -159,10 +159,11 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
 def _algorithm_keys(algorithm: str, notes: list[str]) -> dict[str, str]:
     """``algorithm.driver`` and ``adv_estimator`` of a planned algorithm, as its registered dataflow declares them."""
     keys = {}
-    driver = dataflow_of(algorithm).driver
+    flow = dataflow_of(algorithm)
+    driver = flow.driver
     if driver is not None:
         keys["driver"] = driver
-    estimator = dataflow_of(algorithm).adv_estimator  # the planned dataflow's (None: the driver's own choice)
+    estimator = flow.adv_estimator  # the planned dataflow's (None: the driver's own choice)
     if estimator is not None:
         keys["adv_estimator"] = estimator
     elif driver is None:

@@ -5,36 +5,20 @@ built here, and the loss (delegating to ``vanilla``) trains exactly like ``vanil
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from helpers.models import tiny_model
+from helpers.actor_update import actor_update
 from hybridflow.algorithms import compute_policy_loss_vanilla, register_policy_loss
 from hybridflow.algorithms.policy_loss_registry import POLICY_LOSSES
-from hybridflow.algorithms.sampling import SamplingSpec
-from hybridflow.config.schema import ActorConfig
-from hybridflow.protocol import DataProto
-from hybridflow.workers.ppo_actor import PPOActor
 
 B, P, R, V = 4, 3, 4, 32
 LENGTHS = torch.tensor([1, 4, 2, 3])  # 10 response tokens; micro-batches of 2 rows
 
 
 def _update(policy_loss: str) -> tuple[dict[str, float], torch.Tensor, torch.nn.Module]:
-    cfg = OmegaConf.structured(ActorConfig(policy_loss=policy_loss))
-    cfg.ppo_micro_batch_size_per_gpu = 2
-    model = tiny_model(seed=0, vocab_size=V, num_hidden_layers=1)
-    actor = PPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, SamplingSpec())
-    ids = torch.randint(1, V, (B, P + R), generator=torch.Generator().manual_seed(1))
-    mask = (torch.arange(R)[None] < LENGTHS[:, None]).long()
-    data = DataProto.from_dict(tensors={
-        "input_ids": ids, "responses": ids[:, P:], "response_mask": mask,
-        "attention_mask": torch.cat([torch.ones(B, P, dtype=torch.long), mask], dim=1),
-        "position_ids": torch.arange(P + R).expand(B, -1).clone(),
-        "advantages": torch.tensor([[1.0], [-1.0], [0.5], [2.0]]).expand(B, R).clone()})
-    old = actor.compute_log_prob(data, B)[0]
-    data.batch["old_log_probs"] = old
-    data.batch["rollout_log_probs"] = old - 0.25
-    return actor.update_policy(data, mini_batch_size=B), data.batch["rollout_log_probs"], model
+    advantages = torch.tensor([[1.0], [-1.0], [0.5], [2.0]]).expand(B, R).clone()
+    metrics, data, model = actor_update(LENGTHS, advantages, lambda old: old - 0.25, prompt_len=P, vocab_size=V,
+                                        policy_loss=policy_loss)
+    return metrics, data.batch["rollout_log_probs"], model
 
 
 @pytest.fixture

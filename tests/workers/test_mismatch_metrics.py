@@ -4,15 +4,8 @@ the whole mini-batch across its micro-batches; the expected shares are hand coun
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from helpers.models import tiny_model
-from hybridflow.algorithms.sampling import SamplingSpec
-from hybridflow.config.assemble import section_class
-from hybridflow.protocol import DataProto
-from hybridflow.workers.ppo_actor import PPOActor
-
-ActorConfig = section_class("actor_rollout_ref.actor")  # with every registered policy loss's keys
+from helpers.actor_update import actor_update
 
 B, P, R, V = 4, 3, 4, 32
 LENGTHS = torch.tensor([1, 4, 2, 3])  # 10 valid tokens, micro-batches of 2 rows: 5 + 5
@@ -24,20 +17,8 @@ RHO = torch.tensor([[1.0, 50.0, 50.0, 50.0],
 
 
 def _update(**actor_keys) -> dict[str, float]:
-    cfg = OmegaConf.structured(ActorConfig(**actor_keys))
-    cfg.ppo_micro_batch_size_per_gpu = 2
-    model = tiny_model(seed=0, vocab_size=V, num_hidden_layers=1)
-    actor = PPOActor(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, SamplingSpec())
-    ids = torch.randint(1, V, (B, P + R), generator=torch.Generator().manual_seed(1))
-    mask = (torch.arange(R)[None] < LENGTHS[:, None]).long()
-    data = DataProto.from_dict(tensors={
-        "input_ids": ids, "responses": ids[:, P:], "response_mask": mask,
-        "attention_mask": torch.cat([torch.ones(B, P, dtype=torch.long), mask], dim=1),
-        "position_ids": torch.arange(P + R).expand(B, -1).clone(), "advantages": torch.ones(B, R)})
-    old = actor.compute_log_prob(data, B)[0]
-    data.batch["old_log_probs"] = old
-    data.batch["rollout_log_probs"] = old - torch.log(RHO)
-    return actor.update_policy(data, mini_batch_size=B)
+    return actor_update(LENGTHS, torch.ones(B, R), lambda old: old - torch.log(RHO), prompt_len=P, vocab_size=V,
+                        **actor_keys)[0]
 
 
 def test_masked_fractions_are_hand_counts_over_the_mini_batch():
