@@ -349,12 +349,12 @@ def registered_engines() -> list[str]:
     return ENGINES.names()
 
 
-def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> ParallelLayout:
+def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1, sp: int = 1) -> ParallelLayout:
     """The layout the engine ``strategy`` of a role runs on over the role's ``world`` ranks.
 
     An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
     of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``); any other
-    runs ``(tp=fsdp_tp, pp=1)`` with ``sp`` = the section's ``ulysses_sequence_parallel_size`` (1 without it).
+    runs ``(tp=fsdp_tp, pp=1)`` with ``sp`` (the role's ``ulysses_sequence_parallel_size``; such an engine has none).
     dp = ``world / (tp * pp * sp)`` (the config checks at load that it divides).
 
     Raises:
@@ -365,5 +365,5 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
     if key is not None:
         layout_config = getattr(section, key)
         tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
-    sp = 1 if key is not None else int(getattr(section, "ulysses_sequence_parallel_size", 1) or 1)
+    sp = 1 if key is not None else sp
     return ParallelLayout(dp=world // (tp * pp * sp), tp=tp, pp=pp, sp=sp)

@@ -68,7 +68,7 @@ def _reshard(module: torch.nn.Module) -> None:
             sub.reshard()
 
 
-@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config")
+@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config", sequence_parallel=True)
 class FSDP2Engine(TrainEngine):
     """FSDP2 + DTensor tp (see the module docstring). Build with :meth:`build`, or wrap a module that is already
     laid out (or plain, single process) with :meth:`from_module`.

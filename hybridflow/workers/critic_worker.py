@@ -49,7 +49,7 @@ class CriticWorker(Worker):
         init_distributed()
         cfg, inputs = self.config, self.inputs
         torch.manual_seed(inputs.seed + 1)
-        self.layout = engine_layout(cfg.strategy, cfg, self.world_size)  # dp only (fsdp2) or megatron's dp x tp x pp
+        self.layout = engine_layout(cfg.strategy, cfg, self.world_size, sp=cfg.ulysses_sequence_parallel_size)  # dp only (fsdp2) or megatron's dp x tp x pp
         dp_rank = self.layout.coords(self.rank)[0]  # sp/tp/pp peers share the dp rank's chunk; one of them collects
         self._register_dispatch_collect_info("critic", dp_rank=dp_rank, is_collect=self.layout.collects(self.rank))
         model_cfg = inputs.model
