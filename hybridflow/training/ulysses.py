@@ -47,7 +47,8 @@ from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.distributed.sequence_parallel import all_to_all, gather_sequence
 from hybridflow.protocol import DataProto
-from hybridflow.training.packing import VARLEN_ATTENTION, pack, padded_columns, varlen_sdpa_attention
+from hybridflow.training.packing import (VARLEN_ATTENTION, _upcast_for_cpu_backward, pack, padded_columns,
+                                         varlen_sdpa_attention)
 
 __all__ = ["ULYSSES_ATTENTION", "SequenceLayout", "ulysses_attention", "ulysses_forward", "use_ulysses_attention"]
 
@@ -151,7 +152,12 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     groups = q.shape[1] // k.shape[1]  # contiguous head slices keep each query group with its KV head
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = _segment_attention(q, k, v, layout.segments, dropout if module.training else 0.0, scaling)
+    dropout = dropout if module.training else 0.0
+    if _upcast_for_cpu_backward(q, k, v):  # bf16 attention backward on CPU is torch's slow kernel: fp32 instead
+        with torch.autocast("cpu", enabled=False):
+            out = _segment_attention(q.float(), k.float(), v.float(), layout.segments, dropout, scaling).to(v.dtype)
+    else:
+        out = _segment_attention(q, k, v, layout.segments, dropout, scaling)
     out = all_to_all(out, layout.group, scatter_dim=2, gather_dim=1)  # (N, H, S/sp, D)
     return out.transpose(1, 2).contiguous(), None
 
