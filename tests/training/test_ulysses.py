@@ -3,7 +3,8 @@ the fsdp2 engine with ``sp`` ranks per dp group gives the logprobs, entropies, v
 gradients of the sp=1 engine run on one rank over every dp group's micro-batch, within 1e-5 in fp32. Covered:
 padded and packed (``use_remove_padding``) micro-batches with lengths not divisible by sp, a micro-batch shorter
 than sp (2 tokens on 4 ranks), a GQA policy (4 query / 2 KV heads: KV heads split) and a value model with one KV
-head (fewer KV heads than sp: repeated). Layouts: sp=2 on 2 ranks; sp=2 x dp=2 and sp=4 on 4 ranks."""
+head (fewer KV heads than sp: repeated). Layouts: sp=2 on 2 ranks; sp=2 x dp=2 and sp=4 on 4 ranks; the model replicated over the ranks (gradients
+all-reduced) and, for the packed policy, FSDP2-sharded over all dp x sp ranks (reduce-scatter)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import copy
 import pytest
 import torch
 
-from hybridflow.distributed import build_mesh
+from torch.distributed.tensor import DTensor
+
+from hybridflow.distributed import apply_fsdp2, build_mesh
 from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.protocol import DataProto
 from hybridflow.training import FSDP2Engine, ParallelLayout
@@ -67,18 +70,27 @@ def _loss(micro: DataProto, out: dict[str, torch.Tensor]) -> torch.Tensor:
     return ((out["log_probs"] * w + 0.1 * out["entropy"]) * mask).sum()
 
 
-def _engine(model, kind, remove_padding, mesh=None, sp=1) -> FSDP2Engine:
+def _engine(model, kind, remove_padding, mesh=None, sp=1, sharded=False) -> FSDP2Engine:
+    """sp=1 on one rank (no mesh), or on ``mesh``: replicated (gradients all-reduced) or FSDP2-sharded over it."""
+    if sharded:
+        model = apply_fsdp2(model, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # one step: new weight = old - averaged gradient
-    return FSDP2Engine.from_module(model, optimizer, kind=kind, mesh=mesh, replicated=mesh is not None,
+    return FSDP2Engine.from_module(model, optimizer, kind=kind, mesh=mesh, replicated=mesh is not None and not sharded,
                                    remove_padding=remove_padding, sp=sp, grad_clip=1e9)
 
 
-def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, short: bool, report: list) -> None:
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+
+
+def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, short: bool, report: list,
+           sharded: bool = False) -> None:
     dp = world // sp
     micros = [_micro(100 * d + int(short), short) for d in range(dp)]
     model = _model(kind)
     ref = _engine(copy.deepcopy(model), kind, remove_padding)  # sp=1, one rank, every dp group's micro-batch
-    engine = _engine(model, kind, remove_padding, build_mesh(dp=world), sp)
+    engine = _engine(model, kind, remove_padding, build_mesh(dp=world), sp, sharded)
+    model = engine.module
     assert engine.layout == ParallelLayout(dp=dp, sp=sp)
     mine = micros[engine.layout.coords(rank)[0]]
     mask = mine.batch["response_mask"].bool()
@@ -87,10 +99,11 @@ def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, shor
     with torch.no_grad():
         got, want = engine.forward(mine, entropy=True), ref.forward(mine, entropy=True)
     assert set(got) == set(want)
+    assert model.config._attn_implementation == "hybridflow_ulysses"  # the sp attention ran, not plain sdpa
     for name in got:
         assert got[name].shape == want[name].shape
         report.append((f"{kind} {name}", float((got[name] - want[name])[mask].abs().max())))
-    before = [p.detach().clone() for p in model.parameters()]
+    before = [_full(p) for p in model.parameters()]
     for e in (engine, ref):
         e.set_train(True)
         e.zero_grad()
@@ -98,7 +111,7 @@ def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, shor
     ref_losses = [ref.forward_backward(m, lambda out, m=m: _loss(m, out) / dp, entropy=True) for m in micros]
     report.append((f"{kind} loss", abs(float(loss) / dp - float(ref_losses[micros.index(mine)]))))
     engine.optimizer_step()  # averages the gradients over the dp x sp ranks, then steps
-    grads = [b - p.detach() for b, p in zip(before, model.parameters())]
+    grads = [b - _full(p) for b, p in zip(before, model.parameters())]
     report.append((f"{kind} grad", max(float((g - r.grad).abs().max()) for g, r in zip(grads, ref.module.parameters()))))
     assert max(float(r.grad.abs().max()) for r in ref.module.parameters()) > 1e-3  # gradients are not trivially 0
 
@@ -111,6 +124,7 @@ def _ranks(rank: int, layouts: list[int]) -> None:
             for remove_padding in (False, True):
                 for short in (False, True):
                     _check(rank, world, sp, kind, remove_padding, short, report)
+        _check(rank, world, sp, "policy", True, False, report, sharded=True)  # FSDP2 shards over dp x sp
         worst = max(diff for _, diff in report)
         if rank == 0:
             print(f"world={world} sp={sp}: max abs diff {worst:.2e}", flush=True)
