@@ -34,6 +34,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hybridflow.config.sp_checks import sequence_parallel_problems
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
                                       fsdp_size_problems, logger_problems, mismatch_problems,
                                       parallel_layout_problems, reward_fn_problems, rollout_package_problems,
@@ -475,7 +476,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> li
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get) + lora_rollout_problems(get),
                lambda: multi_turn_problems(get),
-               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get)]
+               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get),
+               lambda: sequence_parallel_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

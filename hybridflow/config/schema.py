@@ -71,6 +71,9 @@ class MegatronConfig:
     # ranks / (tp * pp). The actor and its reference share one process, so they share one (tp, pp)
     tensor_model_parallel_size: int = 1  # Megatron tensor parallel size (heads, MLP and vocabulary split)
     pipeline_model_parallel_size: int = 1  # Megatron pipeline stages (layers split evenly; 1F1B schedule)
+    # Megatron context parallelism: must stay 1 (megatron-core 0.16.1 runs it only in TransformerEngine's attention;
+    # long sequences: ulysses_sequence_parallel_size with strategy=fsdp2)
+    context_parallel_size: int = 1
 
 
 @dataclass
@@ -115,6 +118,9 @@ class ActorConfig:
     grad_clip: float = 1.0  # max global grad norm
     # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
     tensor_model_parallel_size: int = 1
+    # Ulysses sequence parallelism (fsdp2): ranks per dp group that share a batch and split each sequence (dp =
+    # ranks / sp); activation memory per rank ~1/sp (docs/how-to/long-sequences.md)
+    ulysses_sequence_parallel_size: int = 1
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of strategy=megatron
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -179,6 +185,8 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward for reference logprobs
     log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per reference forward
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron: = actor.megatron
+    # the reference runs on the actor's layout: 1 (follow the actor's) or the actor's ulysses_sequence_parallel_size
+    ulysses_sequence_parallel_size: int = 1
 
 
 @dataclass
@@ -208,6 +216,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of critic.strategy=megatron
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    ulysses_sequence_parallel_size: int = 1  # Ulysses sp of the value model (as actor.ulysses_sequence_parallel_size)
 
 
 @dataclass

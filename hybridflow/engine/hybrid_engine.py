@@ -87,7 +87,7 @@ class HybridEngine:
         self.train_module = train.module  # its HF config and buffers; the weights come through the engine
         self.param_offload = train.spec.param_offload
         self.offloads = train.spec.param_offload or train.spec.optimizer_offload
-        layout = train.layout
+        layout = train.layout.weight_layout()  # sp: the weights shard over dp x sp (only data is shared)
         if layout.dp * layout.tp * layout.pp != world:
             raise ValueError(f"the {train.spec.role}'s training layout dp={layout.dp} x tp={layout.tp} x "
                              f"pp={layout.pp} does not cover the {world} ranks of the default group")

@@ -14,7 +14,10 @@ What hybridflow's workers run today (``hybridflow/workers``):
 - the reference runs inside the actor's process (``ActorRolloutRefWorker``) on the actor's training mesh: it
   must be in the actor's set, with the actor's training layout;
 - the critic, the reward and cost models and the cost critic shard with FSDP2 over all ranks of their pool:
-  pp = 1, tp = 1.
+  pp = 1, tp = 1;
+- the actor, reference and critic may split each sequence over sp of their dp ranks (Ulysses,
+  ``*.ulysses_sequence_parallel_size``; pp = tp = 1), never while generating
+  (:mod:`hybridflow.mapping.sequence_parallel`).
 
 TODO(merge): hybridflow/training (the TrainEngine registry) will carry each engine's abilities as registry
 metadata (e.g. ``max_pp=1`` for fsdp2); ``ENGINE_ABILITIES`` below is the stand-in until then, and the only
@@ -43,6 +46,8 @@ class Abilities:
         tp_roles: roles that can run tensor parallel (None: every role).
         reference_with_actor: the reference runs in the actor's process, so it must share the actor's set and
             training layout.
+        sp_roles: roles that can split sequences with Ulysses sequence parallelism (``Layout.sp > 1``) in training
+            and forward passes, never in generation, with pp = tp = 1 (empty: none).
     """
 
     name: str
@@ -50,6 +55,7 @@ class Abilities:
     max_gen_pp: int | None = None
     tp_roles: frozenset[str] | None = None
     reference_with_actor: bool = False
+    sp_roles: frozenset[str] = frozenset()
 
     def layout_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
         """Why ``role`` cannot run on ``layout`` (its generation layout with ``generate``), or None if it can."""
@@ -59,6 +65,16 @@ class Abilities:
             return f"pp > {limit}: {self.name} has no pipeline parallelism for {what} (max_pp={limit})"
         if not generate and layout.tp > 1 and self.tp_roles is not None and role not in self.tp_roles:
             return f"tp > 1 for {role}: its {self.name} worker shards over data parallelism only (tp=1)"
+        return self.sp_reason(role, layout, generate)
+
+    def sp_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
+        """Why ``role`` cannot split sequences over ``layout.sp`` ranks, or None if it can (or ``sp == 1``)."""
+        if layout.sp == 1:
+            return None
+        if generate or role not in self.sp_roles:
+            return f"sp > 1 for {role}{' generation' if generate else ''}: {self.name} has no sequence parallelism there"
+        if layout.tp > 1 or layout.pp > 1 or layout.dp % layout.sp:
+            return f"sp={layout.sp} needs pp = tp = 1 and sp dividing dp ({self.name}), got {layout}"
         return None
 
     def placement_reason(self, placement: Sequence[Sequence[str]]) -> str | None:
@@ -75,7 +91,7 @@ class Abilities:
 # the reference inside the actor's process. Values from the workers' code (see the module docstring).
 ENGINE_ABILITIES: dict[str, Abilities] = {
     "fsdp2": Abilities("fsdp2", max_pp=1, max_gen_pp=1, tp_roles=frozenset({"actor", "reference"}),
-                       reference_with_actor=True),
+                       reference_with_actor=True, sp_roles=frozenset({"actor", "reference", "critic"})),
 }
 UNRESTRICTED = Abilities("unrestricted")
 

@@ -56,11 +56,14 @@ LOGIT_BYTES = 4  # logits (and their gradient) are computed in fp32
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel sizes of one model: ``pp`` pipeline stages x ``tp`` tensor shards x ``dp`` data replicas."""
+    """Parallel sizes of one model: ``pp`` pipeline stages x ``tp`` tensor shards x ``dp`` data replicas, of which
+    ``sp`` (a divisor of dp; Ulysses sequence parallelism) share each sequence: dp / sp data groups, each sequence's
+    tokens split over sp ranks (the weights still shard over all dp ranks)."""
 
     pp: int = 1
     tp: int = 1
     dp: int = 1
+    sp: int = 1
 
     @property
     def size(self) -> int:
@@ -71,7 +74,12 @@ class Layout:
         return [self.pp, self.tp, self.dp]
 
     def __str__(self) -> str:
-        return f"pp{self.pp} tp{self.tp} dp{self.dp}"
+        return f"pp{self.pp} tp{self.tp} dp{self.dp}" + (f" sp{self.sp}" if self.sp > 1 else "")
+
+    @property
+    def data_groups(self) -> int:
+        """Ranks that each take their own sequences: dp / sp."""
+        return self.dp // self.sp
 
 
 @dataclass(frozen=True)
@@ -266,6 +274,18 @@ def _tp_comm(model: ModelSpec, layout: Layout, n_allreduce_per_layer: int, micro
     return count * allreduce_time(nbytes, layout.tp, 1, cluster)
 
 
+def sp_comm_time(model: ModelSpec, layout: Layout, passes: int, micro_batches: int, tokens_per_micro: int,
+                 cluster: ClusterSpec) -> float:
+    """Ulysses all-to-alls of one device: per layer of its stage and per pass (forward 1, training 3), 4 of them
+    (queries, keys, values to head shards; the output back), each of this rank's 1/sp of the tokens' hidden
+    states (/ tp), costed as an all-gather of that size over the sp group (each rank sends (sp-1)/sp of it)."""
+    if layout.sp == 1:
+        return 0.0
+    nbytes = tokens_per_micro / layout.sp * model.hidden * cluster.device.dtype_bytes / layout.tp
+    count = math.ceil(model.layers / layout.pp) * 4 * passes * micro_batches
+    return count * allgather_time(nbytes, layout.sp, layout.tp, cluster)
+
+
 def p2p_time(nbytes: float, stride: int, cluster: ClusterSpec) -> float:
     """Seconds for every device to send ``nbytes`` to the device ``stride`` ranks away (pipeline neighbours):
     over the node's links when the neighbour shares the node, else over the node's network, which all of the
@@ -322,12 +342,13 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     recomputation (``layer_passes``).
     """
     dev = cluster.device
-    per_rank = ceil_div(sequences, layout.dp)
+    per_rank = ceil_div(sequences, layout.data_groups)
     micro_per_step = max(1, ceil_div(per_rank, updates * micro_batch))
-    flops = train_flops(model, per_rank * seq_len * epochs, params.recompute) / (layout.tp * layout.pp)
+    flops = train_flops(model, per_rank * seq_len * epochs / layout.sp, params.recompute) / (layout.tp * layout.pp)
     compute = flops / (dev.peak_flops * params.train_mfu)
     micro_total = micro_per_step * updates * epochs
     comm = (_tp_comm(model, layout, 6 if params.recompute else 4, micro_total, micro_batch * seq_len, cluster)
+            + sp_comm_time(model, layout, 3, micro_total, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 2, micro_total, micro_batch * seq_len, cluster)
             + layer_fixed_time(model, layout, micro_total, layer_passes("train", params.recompute), params))
     if params.zero_stage >= 3:
@@ -347,11 +368,12 @@ def infer_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     micro-batch (with ZeRO-3, one all-gather per FSDP unit per micro-batch) and ``layer_overhead_s`` per layer per
     micro-batch, stretched by the pipeline bubble."""
     dev = cluster.device
-    per_rank = ceil_div(sequences, layout.dp)
+    per_rank = ceil_div(sequences, layout.data_groups)
     micro = max(1, ceil_div(per_rank, micro_batch))
-    flops = forward_flops(model, per_rank * seq_len) / (layout.tp * layout.pp)
+    flops = forward_flops(model, per_rank * seq_len / layout.sp) / (layout.tp * layout.pp)
     compute = flops / (dev.peak_flops * params.infer_mfu)
     comm = (_tp_comm(model, layout, 2, micro, micro_batch * seq_len, cluster)
+            + sp_comm_time(model, layout, 1, micro, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 1, micro, micro_batch * seq_len, cluster)
             + layer_fixed_time(model, layout, micro, layer_passes("infer", False), params))
     if params.zero_stage >= 3:
@@ -504,9 +526,10 @@ def activation_bytes_train(model: ModelSpec, layout: Layout, micro_batch: int, s
     The first stage keeps min(pp, m) micro-batches in flight (1F1B; m micro-batches per step). Each keeps, per
     layer of the stage, its input (h·dtype_bytes/tp per token) with recompute, or the full
     34·h·(dtype_bytes/2)/tp per token without; recompute adds one layer's full activations. Plus fp32
-    logits and their gradient for one micro-batch (vocab / tp wide; 1 for a value head).
+    logits and their gradient for one micro-batch (vocab / tp wide; 1 for a value head). Ulysses (``layout.sp``)
+    splits the micro-batch's tokens over sp ranks, so everything here is per 1/sp of them.
     """
-    tokens = micro_batch * seq_len
+    tokens = ceil_div(micro_batch * seq_len, layout.sp)  # Ulysses: each rank holds 1/sp of the tokens
     stage_layers = math.ceil(model.layers / layout.pp)
     full = _layer_activation_bytes(model, tokens, layout, dtype_bytes)
     if params.recompute:
@@ -522,6 +545,6 @@ def activation_bytes_train(model: ModelSpec, layout: Layout, micro_batch: int, s
 def activation_bytes_infer(model: ModelSpec, layout: Layout, micro_batch: int, seq_len: int,
                            dtype_bytes: int) -> float:
     """Peak activation bytes per device of a forward pass: one layer's activations and the fp32 logits of one
-    micro-batch."""
-    tokens = micro_batch * seq_len
+    micro-batch (1/sp of its tokens with Ulysses)."""
+    tokens = ceil_div(micro_batch * seq_len, layout.sp)
     return _layer_activation_bytes(model, tokens, layout, dtype_bytes) + _logit_bytes(model, tokens, layout)

@@ -18,6 +18,7 @@ import yaml
 
 from hybridflow.mapping.abilities import ENGINE_ABILITIES, Abilities
 from hybridflow.mapping.flows import dataflow_of
+from hybridflow.mapping.sequence_parallel import SP_CONFIG_KEYS
 from hybridflow.mapping.layouts import PHASES as LAYOUT_PHASES  # layouts written per plan role
 from hybridflow.mapping.search import Plan, pack_sets
 from hybridflow.mapping.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, SpecError, Workload
@@ -151,6 +152,14 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
         "resource_pool": {"pools": pools, "mapping": mapping},
         "layouts": _layouts(plan),
     }
+    for role, key in SP_CONFIG_KEYS.items():  # Ulysses sp of the roles the plan splits sequences for
+        sp = max((ph.layout.sp for est in plan.sets for ph in est.phases if ph.role == role), default=1)
+        if sp > 1:
+            section, name = key.rsplit(".", 1)
+            node = config
+            for part in section.split("."):
+                node = node.setdefault(part, {})
+            node[name] = sp
     _model_keys(plan, models, config, notes)
     config["algorithm"] = _algorithm_keys(workload.algorithm, notes)
     return config, notes

@@ -219,8 +219,9 @@ def format_plan(plan: Plan) -> str:
         for ph in est.phases:
             extra = f"{ph.waves} wave(s) of {ph.batch}/replica" if ph.kind == "generate" else ""
             rows.append([str(i), ph.role, ph.kind, ph.stage, str(ph.layout.pp), str(ph.layout.tp), str(ph.layout.dp),
-                         f"{ph.seconds:.4g}", extra])
-    out.append(_table(["set", "role", "phase", "stage", "pp", "tp", "dp", "seconds", ""], rows))
+                         str(ph.layout.sp), f"{ph.seconds:.4g}", extra])
+    out.append(_table(["set", "role", "phase", "stage", "pp", "tp", "dp", "sp", "seconds", ""], rows))
+    out += [f"why {ph.note}" for est in plan.sets for ph in est.phases if ph.note]
     out.append("")
     rows = []
     for i, est in enumerate(plan.sets):

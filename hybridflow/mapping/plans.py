@@ -35,10 +35,13 @@ class PhaseEstimate:
     waves: int = 0
     batch: int = 0
     greedy: bool = False
+    note: str = ""  # why the layout is what it is, where the plan explains it (a chosen sp > 1)
 
     def to_dict(self) -> dict:
         out = {"role": self.role, "kind": self.kind, "stage": self.stage, "layout": self.layout.as_list(),
                "seconds": round(self.seconds, 4), "sequences": self.sequences}
+        if self.layout.sp > 1:
+            out.update(sp=self.layout.sp, note=self.note)
         if self.kind == "generate":
             out.update(waves=self.waves, batch_per_replica=self.batch, greedy=self.greedy)
         return out

@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridflow.mapping.abilities import UNRESTRICTED, Abilities
 from hybridflow.mapping.cost import (
@@ -74,6 +74,7 @@ from hybridflow.mapping.plans import (
     set_partitions,
     set_sizes,
 )
+from hybridflow.mapping.sequence_parallel import sp_layouts, sp_note
 from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload, ceil_div, divisors
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,8 @@ class MappingSearch:
             for pp in divisors(n // tp):
                 if pp <= pp_cap and model.layers % pp == 0:
                     out.append(Layout(pp, tp, n // (tp * pp)))
-        self._layouts[(role, n)] = self._able(role, out, generate=False)
+        kept = self._able(role, out, generate=False)
+        self._layouts[(role, n)] = kept + sp_layouts(role, model, kept, self.abilities)  # long sequences: sp > 1
         if role == "actor":
             self._layouts[("actor:generate", n)] = self._able(role, out, generate=True)
         return self._layouts[(role, n)]
@@ -239,13 +241,17 @@ class MappingSearch:
                                    updates=wl.ppo_updates, micro_batch=wl.micro_batch)
                     micro_per_step = max(1, ceil_div(ceil_div(w.sequences, layout.dp),
                                                      wl.ppo_updates * wl.micro_batch))
-                    act = activation_bytes_train(model, layout, wl.micro_batch, wl.seq_len, dev.dtype_bytes, p,
-                                                 micro_per_step)
+                    act, act1 = (activation_bytes_train(model, lay, wl.micro_batch, wl.seq_len, dev.dtype_bytes, p,
+                                                        micro_per_step) for lay in (layout, replace(layout, sp=1)))
                 else:
                     t = infer_time(model, layout, w.sequences, wl.seq_len, cluster, p,
                                    micro_batch=wl.infer_micro_batch)
-                    act = activation_bytes_infer(model, layout, wl.infer_micro_batch, wl.seq_len, dev.dtype_bytes)
-                phases.append(PhaseEstimate(role, w.kind, w.stage, layout, t, w.sequences))
+                    act, act1 = (activation_bytes_infer(model, lay, wl.infer_micro_batch, wl.seq_len, dev.dtype_bytes)
+                                 for lay in (layout, replace(layout, sp=1)))
+                tokens = (wl.micro_batch if w.kind == "train" else wl.infer_micro_batch) * wl.seq_len
+                note = "" if layout.sp == 1 else sp_note(role, w.kind, layout, tokens, act1, act,
+                                                         sum(states.values()), self.usable)
+                phases.append(PhaseEstimate(role, w.kind, w.stage, layout, t, w.sequences, note=note))
                 transient = max(transient, act)
             memory = RoleMemory(role, layout, states["weights"], states["grads"], states["optimizer"], transient)
             if memory.persistent + transient <= self.usable:

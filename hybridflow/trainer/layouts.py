@@ -39,11 +39,12 @@ def run_layouts(config: DictConfig) -> dict[str, dict[str, tuple[int, int, int]]
     actor = pool_ranks(get, "actor")
     tp, tp_g = (get(k) for k in TP_KEYS.values())
     section = config.actor_rollout_ref.actor
-    train = engine_layout(section.strategy, section, actor, tp)  # strategy=megatron: actor.megatron's tp x pp
+    train = engine_layout(section.strategy, section, actor, tp, section.ulysses_sequence_parallel_size)  # strategy=megatron: actor.megatron's tp x pp
     out = {"actor": {"train": (train.dp, train.tp, train.pp), "generate": (actor // tp_g, tp_g, 1)},
            "reference": {"infer": (train.dp, train.tp, train.pp)}}
     if need_critic_for(config.critic.enable, config.algorithm.adv_estimator):
-        critic = engine_layout(config.critic.strategy, config.critic, pool_ranks(get, "critic"))
+        critic = engine_layout(config.critic.strategy, config.critic, pool_ranks(get, "critic"),
+                               sp=config.critic.ulysses_sequence_parallel_size)
         out["critic"] = {"train": (critic.dp, critic.tp, critic.pp)}
     if config.reward_model.enable:
         out["reward"] = {"infer": (pool_ranks(get, "reward"), 1, 1)}

@@ -54,23 +54,30 @@ KINDS = ("policy", "value", "score")  # causal LM (logprobs, entropy) | value mo
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How a role's ranks are laid out: ``dp`` data-parallel x ``tp`` tensor-parallel x ``pp`` pipeline stages.
+    """How a role's ranks are laid out: ``dp`` data-parallel x ``sp`` sequence-parallel x ``tp`` tensor-parallel x
+    ``pp`` pipeline stages.
 
     Rank order (every engine uses it, so the resharder and the dispatcher can compute any rank's place): tp
-    fastest, then dp, then pp, i.e. ``rank = (pp_rank * dp + dp_rank) * tp + tp_rank`` (Megatron-core's default
-    ``tp-dp-pp`` order; with ``pp=1`` it is the row-major ``("dp", "tp")`` mesh of the fsdp2 engine).
+    fastest, then sp, then dp, then pp, i.e. ``rank = ((pp_rank * dp + dp_rank) * sp + sp_rank) * tp + tp_rank``
+    (Megatron-core's default ``tp-dp-pp`` order when ``sp=1``; with ``pp=1`` it is the row-major ``("dp", "tp")``
+    mesh of the fsdp2 engine over ``dp * sp`` data rows).
+
+    ``sp`` (Ulysses, :mod:`hybridflow.training.ulysses`): the ``sp`` ranks of one dp group share its batch (one
+    dispatch chunk per dp group, like tp ranks) and split each sequence; the weights shard over all ``dp * sp``
+    ranks (FSDP over both: :meth:`weight_layout`).
     """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    sp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.sp * self.tp * self.pp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """``(dp_rank, tp_rank, pp_rank)`` of global ``rank`` in this layout.
+        """``(dp_rank, tp_rank, pp_rank)`` of global ``rank`` in this layout (its sp rank: :meth:`sp_rank`).
 
         Raises:
             ValueError: ``rank`` outside ``[0, world)``.
@@ -78,12 +85,26 @@ class ParallelLayout:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside the layout's {self.world} ranks ({self})")
         rest, tp_rank = divmod(rank, self.tp)
-        pp_rank, dp_rank = divmod(rest, self.dp)
+        pp_rank, dp_rank = divmod(rest // self.sp, self.dp)
         return dp_rank, tp_rank, pp_rank
 
-    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int = 0) -> int:
-        """Inverse of :meth:`coords`."""
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    def sp_rank(self, rank: int) -> int:
+        """The place of global ``rank`` in its sp group (0 when ``sp=1``)."""
+        return (rank // self.tp) % self.sp
+
+    def collects(self, rank: int) -> bool:
+        """Whether ``rank`` returns its dp group's results (tp, sp and pp rank 0: the others hold the same)."""
+        _, tp_rank, pp_rank = self.coords(rank)
+        return tp_rank == 0 and pp_rank == 0 and self.sp_rank(rank) == 0
+
+    def rank_of(self, dp_rank: int, tp_rank: int, pp_rank: int = 0, sp_rank: int = 0) -> int:
+        """Inverse of :meth:`coords` (+ :meth:`sp_rank`)."""
+        return ((pp_rank * self.dp + dp_rank) * self.sp + sp_rank) * self.tp + tp_rank
+
+    def weight_layout(self) -> "ParallelLayout":
+        """The layout the weights are sharded on: ``dp * sp`` FSDP shards (the sp ranks of a dp group hold
+        different shards; only the data is shared), the same ranks in the same order."""
+        return ParallelLayout(dp=self.dp * self.sp, tp=self.tp, pp=self.pp)
 
 
 @dataclass(frozen=True)
@@ -328,12 +349,13 @@ def registered_engines() -> list[str]:
     return ENGINES.names()
 
 
-def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> ParallelLayout:
+def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1, sp: int = 1) -> ParallelLayout:
     """The layout the engine ``strategy`` of a role runs on over the role's ``world`` ranks.
 
     An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
     of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``); any other
-    runs ``(tp=fsdp_tp, pp=1)``. dp = ``world / (tp * pp)`` (the config checks at load that it divides).
+    runs ``(tp=fsdp_tp, pp=1)`` with ``sp`` (the role's ``ulysses_sequence_parallel_size``; such an engine has none).
+    dp = ``world / (tp * pp * sp)`` (the config checks at load that it divides).
 
     Raises:
         hybridflow.registry.UnknownNameError: ``strategy`` is not a registered engine.
@@ -343,4 +365,5 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
     if key is not None:
         layout_config = getattr(section, key)
         tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
-    return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
+    sp = 1 if key is not None else sp
+    return ParallelLayout(dp=world // (tp * pp * sp), tp=tp, pp=pp, sp=sp)

@@ -30,6 +30,8 @@ from hybridflow.training.dtype_probe import model_step_timer
 from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
+from hybridflow.training.ulysses import ulysses_forward
+from hybridflow.distributed.sequence_parallel import new_sp_group
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def _reshard(module: torch.nn.Module) -> None:
             sub.reshard()
 
 
-@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config")
+@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config", sequence_parallel=True)
 class FSDP2Engine(TrainEngine):
     """FSDP2 + DTensor tp (see the module docstring). Build with :meth:`build`, or wrap a module that is already
     laid out (or plain, single process) with :meth:`from_module`.
@@ -78,7 +80,8 @@ class FSDP2Engine(TrainEngine):
 
     def __init__(self, spec: EngineSpec, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
                  lr_scheduler: Any = None, mesh: Optional[DeviceMesh] = None, replicated: bool = False,
-                 autocast_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
+                 autocast_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
+                 sp_group: Any = None) -> None:
         self.spec = spec
         self.replicated = replicated  # plain full tensors on every dp rank (not FSDP2 shards)
         self.autocast_dtype = autocast_dtype  # replicated mixed precision: forwards under torch.autocast
@@ -91,12 +94,14 @@ class FSDP2Engine(TrainEngine):
         self.skipped_steps = 0
         self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self.compute_dtype = compute_dtype  # the forwards' dtype (None: not known, e.g. from_module)
+        self.sp_group = sp_group  # Ulysses: the ranks sharing this rank's micro-batches (None: sp=1)
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "FSDP2Engine":
         if spec.layout.pp != 1:
             raise ValueError(f"strategy fsdp2 has no pipeline parallelism; got pp={spec.layout.pp} for the {spec.role}")
-        mesh = build_mesh(dp=spec.layout.dp, tp=spec.layout.tp)
+        mesh = build_mesh(dp=spec.layout.dp * spec.layout.sp, tp=spec.layout.tp)  # FSDP over dp x sp (data: dp)
+        sp_group = new_sp_group(spec.layout.sp, spec.layout.tp)
         module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
         # dtype auto on CPU: bf16 compute over the fp32 weights where the model's matmul shapes run faster in bf16
         # (a collective); a LoRA actor computes in fp32, so the rollout-sync probe can tell a stale rollout
@@ -113,7 +118,7 @@ class FSDP2Engine(TrainEngine):
             use_fp32_attention_backward(module)  # torch's bf16 CPU attention backward is the slow kernel
         replicated = resolve_fsdp_size(spec.fsdp_size, module, spec.device, trained=spec.optim is not None,
                                        param_offload=spec.param_offload, lora=spec.lora, tp=spec.layout.tp,
-                                       dp=spec.layout.dp)
+                                       dp=spec.layout.dp * spec.layout.sp)
         autocast = compute if replicated and compute not in (None, weights) else None
         if replicated:
             module = module.to(spec.device)
@@ -126,23 +131,24 @@ class FSDP2Engine(TrainEngine):
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)
             scheduler = build_lr_scheduler(optimizer, spec.optim, spec.total_steps)
-        return cls(spec, module, optimizer, scheduler, mesh, replicated, autocast, compute or weights)
+        return cls(spec, module, optimizer, scheduler, mesh, replicated, autocast, compute or weights, sp_group)
 
     @classmethod
     def from_module(cls, module: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     kind: str = "policy", mesh: Optional[DeviceMesh] = None, grad_clip: float = 1.0,
                     nonfinite_grad: str = "skip", role: str = "actor", param_offload: bool = False,
                     optimizer_offload: bool = False, lr_scheduler: Any = None,
-                    remove_padding: bool = False, replicated: bool = False) -> "FSDP2Engine":
+                    remove_padding: bool = False, replicated: bool = False, sp: int = 1) -> "FSDP2Engine":
         """An engine over an existing module (FSDP2-sharded on ``mesh``, or plain when ``mesh`` is None;
-        ``replicated``: plain on every rank of ``mesh``, gradients averaged over it in :meth:`optimizer_step`)."""
+        ``replicated``: plain on every rank of ``mesh``, gradients averaged over it in :meth:`optimizer_step`;
+        ``sp``: Ulysses sequence-parallel ranks per dp group, adjacent ranks of ``mesh``'s dp axis)."""
         tp = mesh["tp"].size() if mesh is not None and mesh.ndim == 2 else 1
         world = mesh.size() if mesh is not None else 1
-        spec = EngineSpec(kind=kind, model=None, layout=ParallelLayout(dp=world // tp, tp=tp),
+        spec = EngineSpec(kind=kind, model=None, layout=ParallelLayout(dp=world // (tp * sp), tp=tp, sp=sp),
                           device=next(module.parameters()).device.type, grad_clip=grad_clip,
                           nonfinite_grad=nonfinite_grad, param_offload=param_offload,
                           optimizer_offload=optimizer_offload, role=role, remove_padding=remove_padding)
-        return cls(spec, module, optimizer, lr_scheduler, mesh, replicated)
+        return cls(spec, module, optimizer, lr_scheduler, mesh, replicated, sp_group=new_sp_group(sp, tp))
 
     # ------------------------------------------------------------------ compute
     def set_train(self, mode: bool) -> None:
@@ -159,6 +165,9 @@ class FSDP2Engine(TrainEngine):
             return self._forward(micro, sampling, entropy)
 
     def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
+        if self.sp_group is not None:  # Ulysses: the sequence split over the sp group
+            return ulysses_forward(self.module, micro, self.spec.kind, self.spec.remove_padding, self.sp_group,
+                                   sampling, entropy)
         b = micro.batch
         if self.spec.kind == "score":
             if self.spec.remove_padding:  # one packed row of the valid tokens

@@ -85,4 +85,4 @@ def update_mini_batches(engine: TrainEngine, data: DataProto, loss: MicroLoss,
         accumulate(pooled, f"{prefix}/grad_norm", Mean(grad_norm, 1.0))
     accumulate(pooled, f"{prefix}/skipped_steps", Max(float(engine.skipped_steps)))
     layout = engine.spec.layout
-    return finalize(gather_metrics(pooled, replicas=layout.tp * layout.pp))
+    return finalize(gather_metrics(pooled, replicas=layout.tp * layout.pp * layout.sp))

@@ -140,10 +140,11 @@ class ActorRolloutRefWorker(Worker):
         torch.manual_seed(inputs.seed)
         self.device = self.device_name
         # dp x tp (fsdp2: actor.tensor_model_parallel_size) or dp x tp x pp (megatron: actor.megatron.*)
-        layout = engine_layout(cfg.actor.strategy, cfg.actor, self.world_size, cfg.actor.tensor_model_parallel_size)
+        layout = engine_layout(cfg.actor.strategy, cfg.actor, self.world_size, cfg.actor.tensor_model_parallel_size,
+                               cfg.actor.ulysses_sequence_parallel_size)  # the reference runs on it too
         self.dp_size = layout.dp
-        dp_rank, tp_rank, pp_rank = layout.coords(self.rank)
-        self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=tp_rank == 0 and pp_rank == 0)
+        dp_rank = layout.coords(self.rank)[0]  # sp/tp/pp peers share the dp rank's chunk; one of them collects
+        self._register_dispatch_collect_info("actor", dp_rank=dp_rank, is_collect=layout.collects(self.rank))
         dtype = resolve_dtype(cfg.model.dtype, self.device)  # the rollout's copy (engines pick their training dtypes)
         path = cfg.model.path
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or path, cfg.model.trust_remote_code)

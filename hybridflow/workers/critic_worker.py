@@ -49,9 +49,9 @@ class CriticWorker(Worker):
         init_distributed()
         cfg, inputs = self.config, self.inputs
         torch.manual_seed(inputs.seed + 1)
-        self.layout = engine_layout(cfg.strategy, cfg, self.world_size)  # dp only (fsdp2) or megatron's dp x tp x pp
-        dp_rank, tp_rank, pp_rank = self.layout.coords(self.rank)
-        self._register_dispatch_collect_info("critic", dp_rank=dp_rank, is_collect=tp_rank == 0 and pp_rank == 0)
+        self.layout = engine_layout(cfg.strategy, cfg, self.world_size, sp=cfg.ulysses_sequence_parallel_size)  # dp only (fsdp2) or megatron's dp x tp x pp
+        dp_rank = self.layout.coords(self.rank)[0]  # sp/tp/pp peers share the dp rank's chunk; one of them collects
+        self._register_dispatch_collect_info("critic", dp_rank=dp_rank, is_collect=self.layout.collects(self.rank))
         model_cfg = inputs.model
         fsdp = cfg.fsdp_config
         engine = get_engine_class(cfg.strategy).build(EngineSpec(

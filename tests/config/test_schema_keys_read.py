@@ -38,6 +38,10 @@ EXEMPT = {
     # read as self.config[self.role].micro_batch_size_per_gpu / section.strategy in hybridflow/workers/rm_worker.py
     "reward_model.micro_batch_size_per_gpu", "cost_model.micro_batch_size_per_gpu",
     "reward_model.strategy", "cost_model.strategy",
+    # validation only, by design (hybridflow/config/sp_checks.py): the reference runs on the actor's layout (its sp
+    # is 1 or the actor's), and Megatron context parallelism is refused at load (it needs TransformerEngine)
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size", "actor_rollout_ref.actor.megatron.context_parallel_size",
+    "actor_rollout_ref.ref.megatron.context_parallel_size", "critic.megatron.context_parallel_size",
     # read by hybridflow.algorithms.need_critic_for (given critic.enable by config/checks.py and the trainer's roles)
     "critic.enable",
 }

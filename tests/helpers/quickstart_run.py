@@ -5,8 +5,9 @@ interpreter with its own Ray cluster (2 ranks for the actor and the critic), std
 
 The run is the union of what those tests asked of their own runs: 8 prompts per step, validation on 8 prompts
 before training and at step 2 (greedy, plus a sampled pass with n=2 at temperature 1), a checkpoint at step 2,
-and every tracker backend whose package is installed (wandb and swanlab offline, MLflow in a file store in the
-run's folder).
+every tracker backend whose package is installed (wandb and swanlab offline, MLflow in a file store in the
+run's folder), and Ulysses sequence parallelism (sp=2: the actor, reference and critic split each sequence over
+the 2 ranks).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ ARGS = ["trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.save_f
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "critic.ppo_mini_batch_size=4", "critic.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.n=2",
-        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"]
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        # Ulysses sequence parallelism end to end: actor, reference and critic split each sequence over both ranks
+        # (one dp group of 2 sp ranks); the rollout reshards from that layout
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"]
 
 
 @dataclass(frozen=True)
