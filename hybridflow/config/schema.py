@@ -71,6 +71,10 @@ class MegatronConfig:
     # ranks / (tp * pp). The actor and its reference share one process, so they share one (tp, pp)
     tensor_model_parallel_size: int = 1  # Megatron tensor parallel size (heads, MLP and vocabulary split)
     pipeline_model_parallel_size: int = 1  # Megatron pipeline stages (layers split evenly; 1F1B schedule)
+    # Megatron expert parallelism of a mixture-of-experts model (Qwen3-MoE / Qwen2-MoE / Mixtral): each layer's
+    # experts split over ep ranks (all-to-all token dispatch); must divide dp * tp and the number of experts
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1  # tp inside each expert; only 1 (experts whole on their EP rank)
 
 
 @dataclass

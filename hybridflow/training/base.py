@@ -64,6 +64,7 @@ class ParallelLayout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism (Megatron MoE): experts split over ep of each stage's dp*tp ranks; world unchanged
 
     @property
     def world(self) -> int:
@@ -332,15 +333,17 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
     """The layout the engine ``strategy`` of a role runs on over the role's ``world`` ranks.
 
     An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
-    of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``); any other
+    of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``expert_model_parallel_size``); any other
     runs ``(tp=fsdp_tp, pp=1)``. dp = ``world / (tp * pp)`` (the config checks at load that it divides).
 
     Raises:
         hybridflow.registry.UnknownNameError: ``strategy`` is not a registered engine.
     """
     key = ENGINES.meta(strategy, "layout_section")
-    tp, pp = fsdp_tp, 1
+    tp, pp, ep = fsdp_tp, 1, 1
     if key is not None:
         layout_config = getattr(section, key)
         tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
-    return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
+        ep = int(getattr(layout_config, "expert_model_parallel_size", 1) or 1)
+    return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp, ep=ep)

@@ -166,15 +166,26 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ weights
     def _local(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.gpt.named_parameters()}
+        """This rank's Megatron parameters (detached), an MoE layer's local experts stacked (E/ep, out, in)."""
+        from hybridflow.models.megatron_moe import stack_experts
+
+        return stack_experts({name: p.detach() for name, p in self.gpt.named_parameters()})
+
+    def _hf_shard(self, param: Any, local: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The HF tp-shard of ``param`` on this rank; an expert tensor (``ep_dim``) gathered over the expert-parallel
+        group (every rank of the stage calls this for it), so it is the whole (E, ...) tensor."""
+        from hybridflow.models.megatron_convert import hf_shard_from_local
+        from hybridflow.training.megatron_setup import gather_experts
+
+        shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
+        return gather_experts(shard, param.ep_dim, self.layout.ep)
 
     def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from hybridflow.models.megatron_convert import hf_shard_from_local
-
+        """HF tp-shards of this rank's stage; expert tensors whole (gathered over ep: see :meth:`weight_specs`)."""
         local, stage = self._local(), stage_of(self.layout)
         for param in self.params:
             if param.pp_stage == stage:
-                yield param.name, hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
+                yield param.name, self._hf_shard(param, local)
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         size = next(self.gpt.parameters()).element_size()
@@ -186,7 +197,7 @@ class MegatronEngine(TrainEngine):
         model also yields ``lm_head.weight``, as its HF state dict has it)."""
         from megatron.core import parallel_state as ps
 
-        from hybridflow.models.megatron_convert import hf_shard_from_local, merge_tp_shards
+        from hybridflow.models.megatron_convert import merge_tp_shards
 
         local, stage = self._local(), stage_of(self.layout)
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -194,7 +205,7 @@ class MegatronEngine(TrainEngine):
         dtype, device = next(self.gpt.parameters()).dtype, next(self.gpt.parameters()).device
         for param in self.params:
             if param.pp_stage == stage:
-                shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp).contiguous()
+                shard = self._hf_shard(param, local).contiguous()
                 if param.tp_dim is not None and self.layout.tp > 1:
                     parts = [torch.empty_like(shard) for _ in range(self.layout.tp)]
                     dist.all_gather(parts, shard, group=tp_group)
