@@ -119,6 +119,7 @@ TIERS: dict[str, str] = {
     "training/test_cpu_attention_dtype.py::test_fsdp2_engine_switches_bf16_models_on_cpu_only": "dist",
     "training/test_fsdp2_kept_gathered.py": "dist",
     "training/test_lora_mixed_precision.py": "dist",
+    "training/test_megatron_ep.py": "dist",
     "training/test_megatron_parity.py": "dist",
     "training/test_replicated_engine.py": "dist",
     "training/test_replicated_engine.py::test_autocast_computes_in_bf16_over_fp32_weights": "unit",

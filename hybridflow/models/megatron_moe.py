@@ -137,11 +137,12 @@ def stack_experts(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def unstack_experts(local: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`stack_experts` for the parameter ``names`` of a Megatron model: each wanted
-    ``local_experts.<j>.linear_fc{1,2}.weight`` is row ``j`` of the stacked entry of ``local``."""
+    ``local_experts.<j>.linear_fc{1,2}.weight`` is row ``j`` of the stacked entry of ``local`` (kept as it is
+    when ``local`` already has it unstacked, as a checkpoint's model state does)."""
     out = {name: tensor for name, tensor in local.items() if not name.endswith(
         (".mlp.experts.linear_fc1.weight", ".mlp.experts.linear_fc2.weight"))}
     for name in names:
         match = _LOCAL_EXPERT.match(name)
-        if match is not None:
+        if match is not None and name not in local:
             out[name] = local[f"{match.group(1)}.{match.group(3)}"][int(match.group(2))]
     return out
