@@ -154,6 +154,8 @@ class WeightSpec:
             distributed optimizer keep parameters replicated over dp).
         pp_stage: the pipeline stage whose ranks hold the parameter (its layers); None: every stage holds it
             (``pp=1``).
+        ep_dim: the dimension expert parallelism splits into ``layout.ep`` chunks (an MoE layer's experts;
+            the chunk of rank (d, t) is ``(d * tp + t) % ep``); None: not split by ep.
     """
 
     shape: tuple[int, ...]
@@ -161,6 +163,7 @@ class WeightSpec:
     tp_dim: Optional[int]
     dp_dim: Optional[int] = 0
     pp_stage: Optional[int] = None
+    ep_dim: Optional[int] = None
 
 
 class TrainEngine(abc.ABC):

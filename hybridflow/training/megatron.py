@@ -171,33 +171,30 @@ class MegatronEngine(TrainEngine):
 
         return stack_experts({name: p.detach() for name, p in self.gpt.named_parameters()})
 
-    def _hf_shard(self, param: Any, local: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The HF tp-shard of ``param`` on this rank; an expert tensor (``ep_dim``) gathered over the expert-parallel
-        group (every rank of the stage calls this for it), so it is the whole (E, ...) tensor."""
-        from hybridflow.models.megatron_convert import hf_shard_from_local
-        from hybridflow.training.megatron_setup import gather_experts
-
-        shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
-        return gather_experts(shard, param.ep_dim, self.layout.ep)
-
     def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF tp-shards of this rank's stage; expert tensors whole (gathered over ep: see :meth:`weight_specs`)."""
+        """HF tp-shards of this rank's stage; an expert tensor is this rank's EP chunk (E/ep, ...) of it, in the
+        same order as the HF experts (global expert ``ep_rank * E/ep + j`` is row ``j``)."""
+        from hybridflow.models.megatron_convert import hf_shard_from_local
+
         local, stage = self._local(), stage_of(self.layout)
         for param in self.params:
             if param.pp_stage == stage:
-                yield param.name, self._hf_shard(param, local)
+                yield param.name, hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         size = next(self.gpt.parameters()).element_size()
+        ep = self.layout.ep > 1
         return {p.name: WeightSpec(p.shape, size, p.tp_dim if self.layout.tp > 1 else None, dp_dim=None,
-                                   pp_stage=p.pp_stage if self.layout.pp > 1 else None) for p in self.params}
+                                   pp_stage=p.pp_stage if self.layout.pp > 1 else None,
+                                   ep_dim=p.ep_dim if ep else None) for p in self.params}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors on every rank: gathered over tp on the owning stage, then broadcast over pp (a tied
         model also yields ``lm_head.weight``, as its HF state dict has it)."""
         from megatron.core import parallel_state as ps
 
-        from hybridflow.models.megatron_convert import merge_tp_shards
+        from hybridflow.models.megatron_convert import hf_shard_from_local, merge_tp_shards
+        from hybridflow.training.megatron_setup import gather_experts
 
         local, stage = self._local(), stage_of(self.layout)
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -205,7 +202,8 @@ class MegatronEngine(TrainEngine):
         dtype, device = next(self.gpt.parameters()).dtype, next(self.gpt.parameters()).device
         for param in self.params:
             if param.pp_stage == stage:
-                shard = self._hf_shard(param, local).contiguous()
+                shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
+                shard = gather_experts(shard, param.ep_dim, self.layout.ep).contiguous()  # over the EP group
                 if param.tp_dim is not None and self.layout.tp > 1:
                     parts = [torch.empty_like(shard) for _ in range(self.layout.tp)]
                     dist.all_gather(parts, shard, group=tp_group)
