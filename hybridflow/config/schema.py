@@ -117,6 +117,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: str = "low_var_kl"  # kl estimator for the KL loss: kl | abs | mse | low_var_kl
     grad_clip: float = 1.0  # max global grad norm
+    # MoE routing replay: off | rollout (the old-logprob and training forwards use the experts the rollout chose per
+    # token and layer, the batch's routed_experts column) | recompute; strategy=megatron runs off and rollout
+    router_replay: str = "off"
     # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
     tensor_model_parallel_size: int = 1
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of strategy=megatron

@@ -58,7 +58,8 @@ def moe_config_kwargs(cfg: Any) -> dict[str, Any]:
     FFN width, softmax routing (``norm_topk_prob`` / Mixtral: softmax over the top-k logits, i.e. renormalised
     top-k probabilities; otherwise top-k of the softmax over all experts), dropless (no capacity), the router's
     load-balancing loss coefficient ``router_aux_loss_coef`` as ``moe_aux_loss_coeff`` (``aux_loss`` balancing;
-    ``none`` when 0), Qwen3-MoE's q/k RMSNorm, Qwen2-MoE's gated shared expert. Expert tensor parallelism 1.
+    ``none`` when 0), Qwen3-MoE's q/k RMSNorm, Qwen2-MoE's gated shared expert, Megatron's router replay
+    hooks (used by routing replay). Expert tensor parallelism 1.
 
     Raises:
         ValueError: a model with dense layers between the sparse ones (not converted).
@@ -73,6 +74,7 @@ def moe_config_kwargs(cfg: Any) -> dict[str, Any]:
                moe_router_pre_softmax=not normalised, moe_aux_loss_coeff=coeff,
                moe_router_load_balancing_type="aux_loss" if coeff > 0 else "none", moe_grouped_gemm=False,
                moe_permute_fusion=False, moe_router_dtype="fp32", expert_tensor_parallel_size=1,
+               moe_enable_routing_replay=True,  # idle unless the engine sets a replay action (megatron_replay)
                qk_layernorm=cfg.model_type == "qwen3_moe")
     shared = int(getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
     if cfg.model_type == "qwen2_moe" and shared:

@@ -115,6 +115,8 @@ class EngineSpec:
         remove_padding: padding-free forwards (``model.use_remove_padding``): each micro-batch's valid tokens in one
             packed row (:mod:`hybridflow.training.packing`); results equal the padded forward's.
         role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
+        router_replay: ``off`` | ``rollout`` (an MoE model's forwards use the micro-batch's ``routed_experts``
+            column, the rollout's expert choices) | ``recompute`` (engines that implement it).
     """
 
     kind: str
@@ -134,6 +136,7 @@ class EngineSpec:
     remove_padding: bool = False
     role: str = "actor"
     auto_bf16: Optional[bool] = None
+    router_replay: str = "off"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

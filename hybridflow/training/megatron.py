@@ -25,6 +25,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.megatron_cpu import cpu_adapter
 from hybridflow.training.megatron_pipeline import broadcast_outputs, make_forward_step
+from hybridflow.training.megatron_replay import routing_replay
 from hybridflow.training.megatron_setup import build_megatron_model, stage_of
 
 __all__ = ["MegatronEngine"]
@@ -58,6 +59,7 @@ class MegatronEngine(TrainEngine):
         self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self._adapter = lambda: cpu_adapter(spec.device)
         self.compute_dtype = next(self.gpt.parameters()).dtype  # the forwards' dtype: the weights' (no autocast)
+        self._replay = routing_replay(self)  # router_replay=rollout on an MoE model: a before_forward hook
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "MegatronEngine":
@@ -79,13 +81,17 @@ class MegatronEngine(TrainEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         store: list[dict[str, torch.Tensor]] = []
-        step = make_forward_step(self.spec.kind, losses, len(micros), store, sampling, entropy)
+        step = make_forward_step(self.spec.kind, losses, len(micros), store, sampling, entropy, self._replay)
         seq = max(int(m.batch["attention_mask"].sum(1).max()) for m in micros)
-        with self._adapter():
-            get_forward_backward_func()(
-                forward_step_func=step, data_iterator=iter(micros), model=[self.model],
-                num_microbatches=len(micros), seq_length=max(seq, 1), micro_batch_size=max(len(m) for m in micros),
-                forward_only=forward_only)
+        try:
+            with self._adapter():
+                get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=iter(micros), model=[self.model],
+                    num_microbatches=len(micros), seq_length=max(seq, 1),
+                    micro_batch_size=max(len(m) for m in micros), forward_only=forward_only)
+        finally:
+            if self._replay is not None:
+                self._replay.clear()
         group = ps.get_pipeline_model_parallel_group()
         return broadcast_outputs(store, micros, self._keys(entropy), ps.is_pipeline_last_stage(),
                                  ps.get_pipeline_model_parallel_last_rank(), group)

@@ -7,7 +7,11 @@
   equal the reference's (<= 1e-4: AdamW's first step amplifies summation-order noise on near-zero gradients);
 * exact resume: 2 updates, save, 2 more == a fresh engine loaded from the save + 2 updates (bit-identical);
 * ``hybridflow export`` of the EP checkpoint is an HF directory transformers loads, whose logprobs equal the
-  engine's at the save.
+  engine's at the save;
+* routing replay (``router_replay=rollout``): given a random routing as the ``routed_experts`` column (int16,
+  (B, L, layers, top_k)), every Megatron router picks exactly those experts for every attended token, and the
+  logprobs equal the HF model's forward with its routers forced to the same experts (<= 1e-5), while they differ
+  from the unforced forward's.
 """
 
 from __future__ import annotations
@@ -89,6 +93,40 @@ def _resume(root: str, data: DataProto) -> tuple[bool, torch.Tensor]:
     return exact, saved_logprobs
 
 
+def _routing() -> torch.Tensor:
+    """A random routing of the test batch: (B, L, layers, top_k) int16, distinct experts per token and layer."""
+    g = torch.Generator().manual_seed(7)
+    b, length = _batch().batch["input_ids"].shape
+    return torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(b * length * 2)]).view(
+        b, length, 2, 2).to(torch.int16)
+
+
+def _replay(root: str, data: DataProto, rank: int) -> dict:
+    """Frozen engine with router_replay=rollout: logprobs with / without the column, and each router's chosen
+    expert sets (aligned tokens, Megatron order) with the column."""
+    from hybridflow.training.megatron_pipeline import aligned_order
+
+    model_cfg = OmegaConf.create({"path": os.path.join(root, "actor"), "dtype": "float32", "trust_remote_code": False,
+                                  "enable_gradient_checkpointing": False})
+    engine = get_engine_class("megatron").build(EngineSpec(kind="policy", model=model_cfg, layout=LAYOUT,
+                                                           device="cpu", role="actor", router_replay="rollout"))
+    chosen = []
+    routers = [m for m in engine.gpt.modules() if type(m).__name__ == "TopKRouter"]
+    hooks = [r.register_forward_hook(lambda mod, inp, out: chosen.append(out[1].clone())) for r in routers]
+    routed = _routing().chunk(2)[rank]
+    with_column = DataProto.from_dict(tensors={**data.batch, "routed_experts": routed})
+    forced = engine.forward(with_column)["log_probs"]
+    for hook in hooks:
+        hook.remove()
+    free = engine.forward(data)["log_probs"]
+    order, attended = aligned_order(with_column)
+    want = []
+    for layer in range(2):
+        idx = torch.gather(routed.long()[:, :, layer], 1, order[:, :, None].expand(-1, -1, 2))  # (B, S, k)
+        want.append((idx.transpose(0, 1).reshape(-1, 2), attended.transpose(0, 1).reshape(-1)))
+    return {"forced": forced, "free": free, "chosen": chosen, "want": want}
+
+
 def _worker(rank: int, root: str) -> None:
     from megatron.core import parallel_state
 
@@ -99,6 +137,7 @@ def _worker(rank: int, root: str) -> None:
     results["update"] = (metrics, out, {k: v.clone() for k, v in engine.iter_weights()})
     del engine
     results["resume"] = _resume(root, data)
+    results["replay"] = _replay(root, data, rank)
     parallel_state.destroy_model_parallel()
     torch.save(results, os.path.join(root, f"res.{rank}"))
 
@@ -140,6 +179,42 @@ def test_megatron_ep2_equals_ep1_and_fsdp2_and_resumes_exactly(tmp_path) -> None
             assert (weights[name] - want).abs().max() <= 1e-4, (rank, name)
         assert res["resume"][0], rank
     _check_export(root, per_rank)
+    _check_replay(root, per_rank)
+
+
+def _forced_hf_logprobs(path: str, routed: torch.Tensor) -> torch.Tensor:
+    """HF forward of the test batch with each layer's router forced to ``routed`` (gates: the router's softmax
+    at those experts, renormalised: norm_topk_prob), response logprobs (B, R)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for layer, block in enumerate(model.model.layers):
+        router = block.mlp.gate
+
+        def forced(hidden, router=router, layer=layer):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+            index = routed[:, :, layer].reshape(-1, 2).long()
+            gates = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, index)
+            return logits, (gates / gates.sum(-1, keepdim=True)).to(logits.dtype), index
+
+        router.forward = forced
+    b = _batch().batch
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, P - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, b["responses"][..., None]).squeeze(-1)
+
+
+def _check_replay(root: str, per_rank: list) -> None:
+    want = _forced_hf_logprobs(os.path.join(root, "actor"), _routing())
+    mask = _batch().batch["response_mask"].bool()
+    for rank, res in enumerate(per_rank):
+        replay = res["replay"]
+        assert len(replay["chosen"]) == 2, rank  # one router per layer, one forward
+        for routing_map, (index, attended) in zip(replay["chosen"], replay["want"]):
+            expected = torch.zeros_like(routing_map).scatter_(1, index, True)
+            assert torch.equal(routing_map[attended], expected[attended]), rank
+        rows = mask.chunk(2)[rank]
+        assert (replay["forced"][rows] - want.chunk(2)[rank][rows]).abs().max() <= 1e-5, rank
+        assert (replay["free"][rows] - replay["forced"][rows]).abs().max() > 1e-3, rank
 
 
 def _check_export(root: str, per_rank: list) -> None:

@@ -160,3 +160,34 @@ def test_gpt_model_logits_equal_hf(arch: str, megatron_1rank) -> None:
         want = hf(input_ids=ids).logits
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_replay_indices_follow_megatron_token_order() -> None:
+    """By hand: 2 rows, row 0 left-padded by one; aligned positions take the attended columns first, tokens are
+    flattened sequence-first (s * B + b); unattended aligned slots get experts 0..k-1."""
+    from hybridflow.training.megatron_replay import replay_indices
+
+    routed = torch.tensor([[[[9, 9]], [[1, 2]], [[3, 4]]],
+                           [[[5, 6]], [[7, 0]], [[2, 3]]]], dtype=torch.int16)  # (B=2, L=3, layers=1, k=2)
+    order = torch.tensor([[1, 2, 0], [0, 1, 2]])
+    attended = torch.tensor([[True, True, False], [True, True, True]])
+    (got,) = replay_indices(routed, order, attended, range(0, 1), num_experts=8)
+    assert got.tolist() == [[1, 2], [5, 6], [3, 4], [7, 0], [0, 1], [2, 3]]
+
+
+def test_replay_modes_and_bad_routing_are_one_line_user_errors() -> None:
+    from hybridflow.errors import UserError
+    from hybridflow.training.megatron_replay import check_mode, replay_indices
+
+    assert check_mode("rollout", True, "actor") and not check_mode("rollout", False, "actor")
+    assert not check_mode("off", True, "actor")
+    with pytest.raises(UserError, match="actor.router_replay=recompute is not implemented for strategy=megatron"):
+        check_mode("recompute", True, "actor")
+    with pytest.raises(UserError, match="expected one of off | rollout | recompute"):
+        check_mode("always", True, "actor")
+    routed = torch.full((1, 2, 1, 2), 8, dtype=torch.int16)
+    order, attended = torch.tensor([[0, 1]]), torch.tensor([[True, True]])
+    with pytest.raises(UserError, match=r"expert id outside \[0, 8\)"):
+        replay_indices(routed, order, attended, range(1), num_experts=8)
+    with pytest.raises(UserError, match="layers >= 2"):
+        replay_indices(routed, order, attended, range(2), num_experts=8)
