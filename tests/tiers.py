@@ -60,7 +60,7 @@ TIERS: dict[str, str] = {
     "engine/test_hybrid_engine.py::test_a_weight_in_another_dtype_is_refused_before_any_transfer": "unit",
     "engine/test_megatron_bf16_generation.py": "dist",
     "engine/test_megatron_hybrid_e2e.py": "e2e",
-    "engine/test_megatron_moe_reshard.py": "dist",
+    "engine/test_megatron_moe_e2e.py": "e2e",
     "engine/test_reshard_3d.py::test_megatron_layout_groups_and_greedy_tokens": "dist",
     "engine/test_reshard_3d.py::test_megatron_layout_shards_are_exact_slices": "dist",
     "engine/test_reshard_3d.py::test_megatron_layout_switch_memory": "dist",

@@ -28,3 +28,20 @@ def tiny_moe(model_class: type = transformers.Qwen3MoeForCausalLM, seed: Optiona
             if name.endswith("mlp.gate.weight"):
                 param.normal_(0.0, 0.5)
     return model.eval()
+
+
+def save_tiny_moe_for_training(out_dir: str, seed: int = 0) -> str:
+    """The tiny Qwen3-MoE with the built-in tiny-arith tokenizer (vocabulary 512, its bos/eos/pad ids) saved as an
+    HF directory ``out_dir`` that ``actor_rollout_ref.model.path`` can name; returns ``out_dir``."""
+    import os
+    import shutil
+
+    from hybridflow.models.builtin import resolve_model_path
+
+    base = resolve_model_path("builtin:tiny-arith")
+    tiny_moe(seed=seed, vocab_size=512, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, num_key_value_heads=2).save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if os.path.exists(os.path.join(base, name)):
+            shutil.copy(os.path.join(base, name), out_dir)
+    return out_dir
