@@ -58,8 +58,9 @@ def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str
         return [f"{key}: tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1, got {tp}, {pp}"]
     ep, etp = get(f"{key}.expert_model_parallel_size"), get(f"{key}.expert_tensor_parallel_size")
     if not reads:
+        experts = "" if (ep, etp) == (1, 1) else f", ep {ep}, etp {etp}"
         return [] if (tp, pp, ep, etp) == (1, 1, 1, 1) else [
-            f"{key} (tp {tp}, pp {pp}, ep {ep}, etp {etp}) is read only with strategy={_readers()}, but {strategy_key}={get(strategy_key)}"]
+            f"{key} (tp {tp}, pp {pp}{experts}) is read only with strategy={_readers()}, but {strategy_key}={get(strategy_key)}"]
     if ranks % (tp * pp):
         return [f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} must divide the "
                 f"role's {ranks} ranks"]

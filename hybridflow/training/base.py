@@ -340,16 +340,19 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1) -> 
 
     An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
     of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
-    ``expert_model_parallel_size``); any other
+    ``expert_model_parallel_size``; ``expert_tensor_parallel_size`` must be 1); any other
     runs ``(tp=fsdp_tp, pp=1)``. dp = ``world / (tp * pp)`` (the config checks at load that it divides).
 
     Raises:
         hybridflow.registry.UnknownNameError: ``strategy`` is not a registered engine.
+        ValueError: ``expert_tensor_parallel_size`` other than 1.
     """
     key = ENGINES.meta(strategy, "layout_section")
     tp, pp, ep = fsdp_tp, 1, 1
     if key is not None:
         layout_config = getattr(section, key)
         tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
-        ep = int(getattr(layout_config, "expert_model_parallel_size", 1) or 1)
+        ep, etp = layout_config.expert_model_parallel_size, layout_config.expert_tensor_parallel_size
+        if etp != 1:  # refused at load too (hybridflow.config.megatron_checks)
+            raise ValueError(f"expert_tensor_parallel_size={etp}: only 1 is supported")
     return ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp, ep=ep)

@@ -32,7 +32,7 @@ def test_expert_parallel_size_is_read_into_the_layout() -> None:
 @pytest.mark.parametrize("overrides,message", [
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
      "tensor_model_parallel_size * pipeline_model_parallel_size = 1 * 3 must divide the role's 2 ranks"),
-    (["critic.strategy=fsdp2"], "critic.megatron (tp 1, pp 2, ep 1, etp 1) is read only with strategy=megatron"),
+    (["critic.strategy=fsdp2"], "critic.megatron (tp 1, pp 2) is read only with strategy=megatron"),
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
      "must equal actor_rollout_ref.actor.megatron (1, 2, 1, 1)"),
     (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"],
