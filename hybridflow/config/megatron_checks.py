@@ -10,13 +10,15 @@ from typing import Any, Callable
 from hybridflow.config.schema import ActorConfig
 from hybridflow.mapping.layouts import pool_ranks
 
-__all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "megatron_problems"]
+__all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "expert_problems", "megatron_problems"]
 
 #: a role's config section -> (its strategy key, the layouts role whose pool it runs on)
 MEGATRON_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strategy", "actor"),
                      "actor_rollout_ref.ref": ("actor_rollout_ref.actor.strategy", "reference"),
                      "critic": ("critic.strategy", "critic")}
 LAYOUT_SECTION = "megatron"  # the (tp, pp) sub-section an engine reads when its registration has this layout_section
+_SIZE_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "expert_tensor_parallel_size")
 DEFAULT_STRATEGY = ActorConfig.strategy  # the schema's default strategy (registered by hybridflow.training itself)
 
 
@@ -54,12 +56,27 @@ def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str
     tp, pp = get(f"{key}.tensor_model_parallel_size"), get(f"{key}.pipeline_model_parallel_size")
     if min(tp, pp) < 1:
         return [f"{key}: tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1, got {tp}, {pp}"]
+    ep, etp = get(f"{key}.expert_model_parallel_size"), get(f"{key}.expert_tensor_parallel_size")
     if not reads:
-        return [] if (tp, pp) == (1, 1) else [
-            f"{key} (tp {tp}, pp {pp}) is read only with strategy={_readers()}, but {strategy_key}={get(strategy_key)}"]
+        experts = "" if (ep, etp) == (1, 1) else f", ep {ep}, etp {etp}"
+        return [] if (tp, pp, ep, etp) == (1, 1, 1, 1) else [
+            f"{key} (tp {tp}, pp {pp}{experts}) is read only with strategy={_readers()}, but {strategy_key}={get(strategy_key)}"]
     if ranks % (tp * pp):
         return [f"{key}: tensor_model_parallel_size * pipeline_model_parallel_size = {tp} * {pp} must divide the "
                 f"role's {ranks} ranks"]
+    return expert_problems(key, get(f"{key}.expert_model_parallel_size"),
+                           get(f"{key}.expert_tensor_parallel_size"), ranks // (tp * pp))
+
+
+def expert_problems(key: str, ep: int, etp: int, stage_ranks: int) -> list[str]:
+    """Problems of a role's expert layout: ``ep`` >= 1 dividing the ``dp * tp`` ranks of a pipeline stage
+    (Megatron's expert groups are cut from them); expert tensor parallelism only 1 (not supported here yet)."""
+    if etp != 1:
+        return [f"{key}.expert_tensor_parallel_size={etp}: only 1 is supported (experts stay whole on their "
+                "expert-parallel rank)"]
+    if ep < 1 or stage_ranks % ep:
+        return [f"{key}.expert_model_parallel_size={ep} must be >= 1 and divide data * tensor parallel = "
+                f"{stage_ranks} ranks per pipeline stage"]
     return []
 
 
@@ -70,9 +87,8 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     actor's (tp, pp) (one process, one parallel state); the DTensor ``actor.tensor_model_parallel_size`` stays 1
     with such an engine. All defaults (every strategy the schema's, every layout (1, 1)) need no registry lookup."""
     strategies = {section: get(key) for section, (key, _) in MEGATRON_SECTIONS.items()}
-    sizes = {section: (get(f"{section}.{LAYOUT_SECTION}.tensor_model_parallel_size"),
-                       get(f"{section}.{LAYOUT_SECTION}.pipeline_model_parallel_size")) for section in strategies}
-    if all(s == DEFAULT_STRATEGY for s in strategies.values()) and all(v == (1, 1) for v in sizes.values()):
+    sizes = {section: tuple(get(f"{section}.{LAYOUT_SECTION}.{key}") for key in _SIZE_KEYS) for section in strategies}
+    if all(s == DEFAULT_STRATEGY for s in strategies.values()) and all(v == (1, 1, 1, 1) for v in sizes.values()):
         return []
     meta = _engine_meta()
     problems: list[str] = []
@@ -87,8 +103,8 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     if reads["actor_rollout_ref.actor"]:
         engine = strategies["actor_rollout_ref.actor"]
         actor_size, ref_size = sizes["actor_rollout_ref.actor"], sizes["actor_rollout_ref.ref"]
-        if ref_size != (1, 1) and actor_size != ref_size:
-            problems.append(f"{ref} (tp, pp)={ref_size} must equal {actor} {actor_size} (or stay 1, 1): the "
+        if ref_size != (1, 1, 1, 1) and actor_size != ref_size:
+            problems.append(f"{ref} (tp, pp, ep, etp)={ref_size} must equal {actor} {actor_size} (or stay 1s): the "
                             "reference shares the actor's process and parallel state")
         if get("actor_rollout_ref.actor.tensor_model_parallel_size") != 1:
             problems.append("actor_rollout_ref.actor.tensor_model_parallel_size is the DTensor tp of engines without "

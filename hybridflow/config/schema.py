@@ -74,6 +74,10 @@ class MegatronConfig:
     # Megatron context parallelism: must stay 1 (megatron-core 0.16.1 runs it only in TransformerEngine's attention;
     # long sequences: ulysses_sequence_parallel_size with strategy=fsdp2)
     context_parallel_size: int = 1
+    # Megatron expert parallelism of a mixture-of-experts model (Qwen3-MoE / Qwen2-MoE / Mixtral): each layer's
+    # experts split over ep ranks (all-to-all token dispatch); must divide dp * tp and the number of experts
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1  # tp inside each expert; only 1 (experts whole on their EP rank)
 
 
 @dataclass
@@ -116,6 +120,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: str = "low_var_kl"  # kl estimator for the KL loss: kl | abs | mse | low_var_kl
     grad_clip: float = 1.0  # max global grad norm
+    # MoE routing replay: off | rollout (the old-logprob and training forwards use the experts the rollout chose per
+    # token and layer, the batch's routed_experts column) | recompute; strategy=megatron runs off and rollout
+    router_replay: str = "off"
     # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
     tensor_model_parallel_size: int = 1
     # Ulysses sequence parallelism (fsdp2): ranks per dp group that share a batch and split each sequence (dp =

@@ -36,10 +36,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridflow.distributed.shm_comm import ShmGroup
-from hybridflow.distributed.tp import tp_dims  # the generation layout of the architecture
 from hybridflow.engine.plan import (Bucket, Layout, ReshardPlan, is_contiguous_region, local_slices,
                                     plan_from_weight_specs)
-from hybridflow.engine.tp_model import TPGroup, build_tp_generation_model
+from hybridflow.engine.moe_generation import build_generation_model, generation_dims
+from hybridflow.engine.tp_model import TPGroup
 from hybridflow.training import FSDP2Engine, TrainEngine
 
 logger = logging.getLogger(__name__)
@@ -94,13 +94,13 @@ class HybridEngine:
         specs = train.weight_specs()
         self.device, dtype = _device_and_dtype(train)
         self.dtype = dtype
-        self.plan: ReshardPlan = plan_from_weight_specs(
-            specs, {name: None for name in specs} if gen_tp == 1 else tp_dims(train.module, "generate"),
-            Layout(layout.dp, layout.tp, layout.pp), Layout(world // gen_tp, gen_tp))
+        self.plan: ReshardPlan = plan_from_weight_specs(  # MoE: experts split over tp_g (moe_generation)
+            specs, generation_dims(train.module, gen_tp), Layout(layout.dp, layout.tp, layout.pp, layout.ep),
+            Layout(world // gen_tp, gen_tp))
         self.bucket_bytes = bucket_bytes
         self.buckets = self.plan.buckets(bucket_bytes)
         self.tp = self._make_tp_group()
-        self.module = build_tp_generation_model(self.train_module.config, self.tp, dtype)
+        self.module = build_generation_model(self.train_module.config, self.tp, dtype)
         self._skeleton = dict(self.module.named_parameters())
         if set(self._skeleton) != set(specs):
             only_gen, only_train = sorted(set(self._skeleton) - set(specs)), sorted(set(specs) - set(self._skeleton))

@@ -72,6 +72,7 @@ class Layout:
     dp: int
     tp: int
     pp: int = 1
+    ep: int = 1  # training expert parallelism: an ep_dim weight is split over runs of ep ranks of (dp, tp) order
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -333,13 +334,16 @@ def _split_rows(tr: Transfer, max_numel: int) -> list[Transfer]:
 
 
 def _train_box(shape: Sequence[int], tp_dim: Optional[int], dp_dim: Optional[int], stage: Optional[int],
-               layout: Layout, rank: int) -> Optional[Box]:
+               layout: Layout, rank: int, ep_dim: Optional[int] = None) -> Optional[Box]:
     """Rank's training box of a weight (module doc): None outside its pipeline stage; tp chunk of ``tp_dim``,
-    then dp piece of ``dp_dim`` of that chunk (``dp_dim`` None: the whole tp chunk)."""
+    then dp piece of ``dp_dim`` of that chunk (``dp_dim`` None: the whole tp chunk); an expert weight
+    (``ep_dim``) is chunk ``(d * tp + t) % ep`` of ``layout.ep`` along it (Megatron's expert groups)."""
     d, t, s = layout.coords(rank)
     if stage is not None and stage != s:
         return None
     box = [(0, n) for n in shape]
+    if ep_dim is not None and layout.ep > 1:
+        box[ep_dim] = chunk_range(shape[ep_dim], layout.ep, (d * layout.tp + t) % layout.ep)
     if tp_dim is not None and layout.tp > 1:
         box[tp_dim] = chunk_range(shape[tp_dim], layout.tp, t)
     if dp_dim is not None:
@@ -406,6 +410,7 @@ def build_reshard_plan(
     itemsizes: Optional[Mapping[str, int]] = None,
     dp_dims: Optional[Mapping[str, Optional[int]]] = None,
     pp_stages: Optional[Mapping[str, Optional[int]]] = None,
+    ep_dims: Optional[Mapping[str, Optional[int]]] = None,
 ) -> ReshardPlan:
     """Plan the switch from ``train`` to ``gen`` for the weights ``shapes`` (name -> full shape, in the order
     the ranks will process them).
@@ -415,6 +420,7 @@ def build_reshard_plan(
         itemsizes: name -> bytes per element (default 4).
         dp_dims: name -> the dim training dp splits (default 0, FSDP2), or None (replicated over dp).
         pp_stages: name -> the training pipeline stage holding the weight (default None: every stage).
+        ep_dims: name -> the dim training expert parallelism splits (``train.ep`` chunks), default None.
 
     Sources: see the module doc (and :func:`_choose_sources`).
 
@@ -425,13 +431,13 @@ def build_reshard_plan(
     """
     coords = generation_coords(train, gen)
     world = train.world_size
-    itemsizes, dp_dims, pp_stages = itemsizes or {}, dp_dims or {}, pp_stages or {}
+    itemsizes, dp_dims, pp_stages, ep_dims = itemsizes or {}, dp_dims or {}, pp_stages or {}, ep_dims or {}
     meta, staged = [], []
     for name, shape in shapes.items():
         shape = tuple(int(n) for n in shape)
         tdim, gdim, ddim, stage = train_dims[name], gen_dims[name], dp_dims.get(name, 0), pp_stages.get(name)
         _check_dims(name, shape, {"tp_dim": tdim, "gen_dim": gdim, "dp_dim": ddim}, stage, train)
-        train_boxes = tuple(_train_box(shape, tdim, ddim, stage, train, r) for r in range(world))
+        train_boxes = tuple(_train_box(shape, tdim, ddim, stage, train, r, ep_dims.get(name)) for r in range(world))
         gen_boxes = tuple(_gen_box(shape, gdim, gen.tp, coords[r][1]) for r in range(world))
         holders: dict[Box, list[int]] = {}
         for r, box in enumerate(train_boxes):
@@ -457,7 +463,7 @@ def build_reshard_plan(
 def plan_from_weight_specs(specs: Mapping[str, object], gen_dims: Mapping[str, Optional[int]], train: Layout,
                            gen: Layout) -> ReshardPlan:
     """:func:`build_reshard_plan` from a training engine's ``weight_specs()`` (name -> an object with ``shape``,
-    ``element_size``, ``tp_dim``, ``dp_dim``, ``pp_stage``: :class:`hybridflow.training.WeightSpec`, read by
+    ``element_size``, ``tp_dim``, ``dp_dim``, ``pp_stage``, optionally ``ep_dim``: :class:`hybridflow.training.WeightSpec`, read by
     attribute so this module stays free of torch), in their order.
 
     Raises:
@@ -466,4 +472,4 @@ def plan_from_weight_specs(specs: Mapping[str, object], gen_dims: Mapping[str, O
     return build_reshard_plan(
         {n: w.shape for n, w in specs.items()}, {n: w.tp_dim for n, w in specs.items()}, gen_dims, train, gen,
         {n: w.element_size for n, w in specs.items()}, {n: w.dp_dim for n, w in specs.items()},
-        {n: w.pp_stage for n, w in specs.items()})
+        {n: w.pp_stage for n, w in specs.items()}, {n: getattr(w, "ep_dim", None) for n, w in specs.items()})

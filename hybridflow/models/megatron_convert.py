@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from hybridflow.models.megatron_moe import is_moe, moe_layer_params
+
 __all__ = ["HFParam", "hf_params", "hf_shard_from_local", "local_from_hf", "merge_tp_shards", "stage_layers",
            "tp_shard"]
 
@@ -40,6 +42,8 @@ class HFParam:
         mg_name: the Megatron local name on that stage (layer index local to the stage).
         part: ``full`` (the Megatron tensor is the HF tp-shard), ``q``/``k``/``v`` (of ``linear_qkv``) or
             ``gate``/``up`` (of ``linear_fc1``).
+        ep_dim: the HF dim expert parallelism splits (the experts of a fused MoE tensor, 0), None otherwise; the
+            Megatron tensor is then the stacked pseudo-tensor of :mod:`hybridflow.models.megatron_moe`.
     """
 
     name: str
@@ -48,6 +52,7 @@ class HFParam:
     pp_stage: int
     mg_name: str
     part: str = "full"
+    ep_dim: Optional[int] = None
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
@@ -71,18 +76,25 @@ def _dims(cfg: Any) -> tuple[int, int, int, int]:
 
 def _layer_params(cfg: Any, layer: int, local: int, stage: int) -> list[HFParam]:
     hidden, heads, groups, d = _dims(cfg)
-    ffn = cfg.intermediate_size
     hf, mg = f"model.layers.{layer}.", f"decoder.layers.{local}."
     qkv = mg + "self_attention.linear_qkv."
     rows = {"q": heads * d, "k": groups * d, "v": groups * d}
     suffixes = ("weight", "bias") if _qkv_bias(cfg) else ("weight",)
     out = [HFParam(f"{hf}self_attn.{part}_proj.{suffix}", (rows[part], hidden)[:2 if suffix == "weight" else 1], 0,
                    stage, qkv + suffix, part) for part in "qkv" for suffix in suffixes]
-    return out + [
-        HFParam(hf + "self_attn.o_proj.weight", (hidden, heads * d), 1, stage, mg + "self_attention.linear_proj.weight"),
-        HFParam(hf + "mlp.gate_proj.weight", (ffn, hidden), 0, stage, mg + "mlp.linear_fc1.weight", "gate"),
-        HFParam(hf + "mlp.up_proj.weight", (ffn, hidden), 0, stage, mg + "mlp.linear_fc1.weight", "up"),
-        HFParam(hf + "mlp.down_proj.weight", (hidden, ffn), 1, stage, mg + "mlp.linear_fc2.weight"),
+    out.append(HFParam(hf + "self_attn.o_proj.weight", (hidden, heads * d), 1, stage,
+                       mg + "self_attention.linear_proj.weight"))
+    if cfg.model_type == "qwen3_moe":  # per-head q/k RMSNorm (head_dim,), replicated
+        out += [HFParam(f"{hf}self_attn.{p}_norm.weight", (d,), None, stage, f"{mg}self_attention.{p}_layernorm.weight")
+                for p in "qk"]
+    if is_moe(cfg):
+        mlp = moe_layer_params(cfg, layer, local, stage, HFParam)
+    else:
+        ffn = cfg.intermediate_size
+        mlp = [HFParam(hf + "mlp.gate_proj.weight", (ffn, hidden), 0, stage, mg + "mlp.linear_fc1.weight", "gate"),
+               HFParam(hf + "mlp.up_proj.weight", (ffn, hidden), 0, stage, mg + "mlp.linear_fc1.weight", "up"),
+               HFParam(hf + "mlp.down_proj.weight", (hidden, ffn), 1, stage, mg + "mlp.linear_fc2.weight")]
+    return out + mlp + [
         HFParam(hf + "input_layernorm.weight", (hidden,), None, stage, mg + "input_layernorm.weight"),
         HFParam(hf + "post_attention_layernorm.weight", (hidden,), None, stage, mg + "pre_mlp_layernorm.weight"),
     ]
@@ -90,7 +102,7 @@ def _layer_params(cfg: Any, layer: int, local: int, stage: int) -> list[HFParam]
 
 def _qkv_bias(cfg: Any) -> bool:
     """Qwen2 has q/k/v bias (no ``attention_bias`` key); Llama/Mistral follow ``attention_bias`` (default off)."""
-    return cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
+    return cfg.model_type in ("qwen2", "qwen2_moe") or bool(getattr(cfg, "attention_bias", False))
 
 
 def hf_params(cfg: Any, kind: str = "policy", pp: int = 1) -> list[HFParam]:

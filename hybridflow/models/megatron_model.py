@@ -19,9 +19,10 @@ def _rope_theta(cfg: Any) -> float:
     return float(theta or getattr(cfg, "rope_theta", None) or 10000.0)
 
 
-def transformer_config(cfg: Any, *, tp: int, pp: int, dtype: torch.dtype, device: str) -> Any:
+def transformer_config(cfg: Any, *, tp: int, pp: int, dtype: torch.dtype, device: str, ep: int = 1) -> Any:
     """The ``TransformerConfig`` of HF config ``cfg`` (GQA groups, RMSNorm eps, SwiGLU, head_dim, qkv bias, no
-    dropout); fused CUDA kernels are off on CPU.
+    dropout; an MoE model's fields from :func:`hybridflow.models.megatron_moe.moe_config_kwargs`, ``ep`` experts
+    groups); fused CUDA kernels are off on CPU.
 
     Raises:
         ValueError: an activation other than SiLU, rope scaling, or sliding-window attention (not converted).
@@ -29,6 +30,7 @@ def transformer_config(cfg: Any, *, tp: int, pp: int, dtype: torch.dtype, device
     from megatron.core.transformer import TransformerConfig
 
     from hybridflow.models.megatron_convert import _dims, _qkv_bias
+    from hybridflow.models.megatron_moe import moe_config_kwargs
 
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise ValueError(f"megatron conversion supports SwiGLU (hidden_act=silu), got {cfg.hidden_act!r}")
@@ -50,6 +52,7 @@ def transformer_config(cfg: Any, *, tp: int, pp: int, dtype: torch.dtype, device
         use_cpu_initialization=True, variable_seq_lengths=True, bias_activation_fusion=gpu,
         bias_dropout_fusion=gpu, masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False,
+        expert_model_parallel_size=ep, **moe_config_kwargs(cfg),
         moe_token_dispatcher_type="alltoall")  # allgather (the default) rejects variable_seq_lengths
 
 
@@ -66,7 +69,7 @@ class ValueHead(torch.nn.Linear):
 
 
 def build_gpt_model(cfg: Any, kind: str, *, tp: int, pp: int, pp_rank: int, dtype: torch.dtype,
-                    device: str) -> torch.nn.Module:
+                    device: str, ep: int = 1) -> torch.nn.Module:
     """``GPTModel`` for stage ``pp_rank`` (pre_process on the first stage, post_process on the last) on ``device``,
     every parameter in ``dtype`` (the distributed optimizer keeps fp32 main copies of bf16/fp16 ones).
 
@@ -80,9 +83,11 @@ def build_gpt_model(cfg: Any, kind: str, *, tp: int, pp: int, pp_rank: int, dtyp
 
     if cfg.vocab_size % tp:
         raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by tensor_model_parallel_size={tp}")
-    config = transformer_config(cfg, tp=tp, pp=pp, dtype=dtype, device=device)
+    config = transformer_config(cfg, tp=tp, pp=pp, dtype=dtype, device=device, ep=ep)
     last = pp_rank == pp - 1
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=cfg.vocab_size,
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(config, spec, vocab_size=cfg.vocab_size,
                      max_sequence_length=cfg.max_position_embeddings, pre_process=pp_rank == 0, post_process=last,
                      parallel_output=True, position_embedding_type="rope", rotary_base=_rope_theta(cfg),
                      share_embeddings_and_output_weights=kind == "policy" and bool(cfg.tie_word_embeddings))
@@ -99,13 +104,16 @@ def build_gpt_model(cfg: Any, kind: str, *, tp: int, pp: int, pp_rank: int, dtyp
 
 
 def local_state_from_hf(hf_state: dict[str, torch.Tensor], cfg: Any, kind: str, *, tp: int, tp_rank: int, pp: int,
-                        pp_rank: int) -> dict[str, torch.Tensor]:
+                        pp_rank: int, ep: int = 1, ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """This rank's Megatron local state dict from a full HF state dict (a tied embedding's output copy included
-    on the last stage when ``pp > 1``)."""
+    on the last stage when ``pp > 1``; an MoE model's experts as the stacked pseudo-tensors of EP rank
+    ``ep_rank``, which :func:`load_local_state` splits)."""
     from hybridflow.models.megatron_convert import hf_params, local_from_hf, tp_shard
+    from hybridflow.models.megatron_moe import ep_shard
 
     params = hf_params(cfg, kind, pp)
-    shards = {p.name: tp_shard(hf_state[p.name], p.tp_dim, tp, tp_rank) for p in params if p.pp_stage == pp_rank}
+    shards = {p.name: ep_shard(tp_shard(hf_state[p.name], p.tp_dim, tp, tp_rank), p.ep_dim, ep, ep_rank)
+              for p in params if p.pp_stage == pp_rank}
     local = local_from_hf(params, shards, cfg, tp, pp_rank)
     if kind == "policy" and cfg.tie_word_embeddings and pp > 1 and pp_rank == pp - 1:
         local["output_layer.weight"] = tp_shard(hf_state["model.embed_tokens.weight"], 0, tp, tp_rank)
@@ -115,10 +123,15 @@ def local_state_from_hf(hf_state: dict[str, torch.Tensor], cfg: Any, kind: str, 
 def load_local_state(model: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
     """Copy ``local`` into ``model``'s parameters (in place, so optimizer/DDP buffers stay bound).
 
+    ``local`` may hold an MoE layer's experts stacked (:func:`hybridflow.models.megatron_moe.stack_experts`).
+
     Raises:
         KeyError: a parameter of ``model`` has no entry in ``local``, or ``local`` has an unknown name.
     """
+    from hybridflow.models.megatron_moe import unstack_experts
+
     params = dict(model.named_parameters())
+    local = unstack_experts(local, list(params))
     missing = sorted(set(params) - set(local))
     unknown = sorted(set(local) - set(params))
     if missing or unknown:

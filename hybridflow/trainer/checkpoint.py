@@ -162,7 +162,7 @@ RESUME_KEYS = ("algorithm.driver", "algorithm.adv_estimator", "critic.enable", "
                "critic.model.path", "actor_rollout_ref.actor.tensor_model_parallel_size",
                "actor_rollout_ref.actor.strategy", "critic.strategy",
                *(f"{role}.megatron.{size}_model_parallel_size" for role in ("actor_rollout_ref.actor", "critic")
-                 for size in ("tensor", "pipeline")))
+                 for size in ("tensor", "pipeline", "expert")))
 # a key a checkpoint's config may predate: its value then (the *.megatron sections came with strategy=megatron)
 RESUME_DEFAULTS = {key: 1 for key in RESUME_KEYS if ".megatron." in key}
 

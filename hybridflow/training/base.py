@@ -71,6 +71,7 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1  # expert parallelism (Megatron MoE): experts split over ep of each stage's dp*tp ranks; world unchanged
 
     @property
     def world(self) -> int:
@@ -135,6 +136,8 @@ class EngineSpec:
         remove_padding: padding-free forwards (``model.use_remove_padding``): each micro-batch's valid tokens in one
             packed row (:mod:`hybridflow.training.packing`); results equal the padded forward's.
         role: the name used in messages and the guard's error (``actor``, ``critic`` ...).
+        router_replay: ``off`` | ``rollout`` (an MoE model's forwards use the micro-batch's ``routed_experts``
+            column, the rollout's expert choices) | ``recompute`` (engines that implement it).
     """
 
     kind: str
@@ -154,6 +157,7 @@ class EngineSpec:
     remove_padding: bool = False
     role: str = "actor"
     auto_bf16: Optional[bool] = None
+    router_replay: str = "off"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -174,6 +178,8 @@ class WeightSpec:
             distributed optimizer keep parameters replicated over dp).
         pp_stage: the pipeline stage whose ranks hold the parameter (its layers); None: every stage holds it
             (``pp=1``).
+        ep_dim: the dimension expert parallelism splits into ``layout.ep`` chunks (an MoE layer's experts;
+            the chunk of rank (d, t) is ``(d * tp + t) % ep``); None: not split by ep.
     """
 
     shape: tuple[int, ...]
@@ -181,6 +187,7 @@ class WeightSpec:
     tp_dim: Optional[int]
     dp_dim: Optional[int] = 0
     pp_stage: Optional[int] = None
+    ep_dim: Optional[int] = None
 
 
 class TrainEngine(abc.ABC):
@@ -353,17 +360,22 @@ def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1, sp:
     """The layout the engine ``strategy`` of a role runs on over the role's ``world`` ranks.
 
     An engine registered with ``layout_section`` (megatron: ``"megatron"``) takes its (tp, pp) from that sub-section
-    of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``); any other
-    runs ``(tp=fsdp_tp, pp=1)`` with ``sp`` (the role's ``ulysses_sequence_parallel_size``; such an engine has none).
+    of the role's config ``section`` (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``expert_model_parallel_size``; ``expert_tensor_parallel_size`` must be 1); any other runs
+    ``(tp=fsdp_tp, pp=1)`` with ``sp`` (the role's ``ulysses_sequence_parallel_size``; such an engine has none).
     dp = ``world / (tp * pp * sp)`` (the config checks at load that it divides).
 
     Raises:
         hybridflow.registry.UnknownNameError: ``strategy`` is not a registered engine.
+        ValueError: ``expert_tensor_parallel_size`` other than 1.
     """
     key = ENGINES.meta(strategy, "layout_section")
-    tp, pp = fsdp_tp, 1
+    tp, pp, ep = fsdp_tp, 1, 1
     if key is not None:
         layout_config = getattr(section, key)
         tp, pp = layout_config.tensor_model_parallel_size, layout_config.pipeline_model_parallel_size
+        ep, etp = layout_config.expert_model_parallel_size, layout_config.expert_tensor_parallel_size
+        if etp != 1:  # refused at load too (hybridflow.config.megatron_checks)
+            raise ValueError(f"expert_tensor_parallel_size={etp}: only 1 is supported")
     sp = 1 if key is not None else sp
-    return ParallelLayout(dp=world // (tp * pp * sp), tp=tp, pp=pp, sp=sp)
+    return ParallelLayout(dp=world // (tp * pp * sp), tp=tp, pp=pp, sp=sp, ep=ep)

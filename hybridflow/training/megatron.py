@@ -25,6 +25,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.megatron_cpu import cpu_adapter
 from hybridflow.training.megatron_pipeline import broadcast_outputs, make_forward_step
+from hybridflow.training.megatron_replay import routing_replay
 from hybridflow.training.megatron_setup import build_megatron_model, stage_of
 
 __all__ = ["MegatronEngine"]
@@ -58,6 +59,7 @@ class MegatronEngine(TrainEngine):
         self.applied_update = False  # an optimizer update went through since the last lr_scheduler_step
         self._adapter = lambda: cpu_adapter(spec.device)
         self.compute_dtype = next(self.gpt.parameters()).dtype  # the forwards' dtype: the weights' (no autocast)
+        self._replay = routing_replay(self)  # router_replay=rollout on an MoE model: a before_forward hook
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "MegatronEngine":
@@ -79,13 +81,17 @@ class MegatronEngine(TrainEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         store: list[dict[str, torch.Tensor]] = []
-        step = make_forward_step(self.spec.kind, losses, len(micros), store, sampling, entropy)
+        step = make_forward_step(self.spec.kind, losses, len(micros), store, sampling, entropy, self._replay)
         seq = max(int(m.batch["attention_mask"].sum(1).max()) for m in micros)
-        with self._adapter():
-            get_forward_backward_func()(
-                forward_step_func=step, data_iterator=iter(micros), model=[self.model],
-                num_microbatches=len(micros), seq_length=max(seq, 1), micro_batch_size=max(len(m) for m in micros),
-                forward_only=forward_only)
+        try:
+            with self._adapter():
+                get_forward_backward_func()(
+                    forward_step_func=step, data_iterator=iter(micros), model=[self.model],
+                    num_microbatches=len(micros), seq_length=max(seq, 1),
+                    micro_batch_size=max(len(m) for m in micros), forward_only=forward_only)
+        finally:
+            if self._replay is not None:
+                self._replay.clear()
         group = ps.get_pipeline_model_parallel_group()
         return broadcast_outputs(store, micros, self._keys(entropy), ps.is_pipeline_last_stage(),
                                  ps.get_pipeline_model_parallel_last_rank(), group)
@@ -166,9 +172,14 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ weights
     def _local(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach() for name, p in self.gpt.named_parameters()}
+        """This rank's Megatron parameters (detached), an MoE layer's local experts stacked (E/ep, out, in)."""
+        from hybridflow.models.megatron_moe import stack_experts
+
+        return stack_experts({name: p.detach() for name, p in self.gpt.named_parameters()})
 
     def iter_shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tp-shards of this rank's stage; an expert tensor is this rank's EP chunk (E/ep, ...) of it, in the
+        same order as the HF experts (global expert ``ep_rank * E/ep + j`` is row ``j``)."""
         from hybridflow.models.megatron_convert import hf_shard_from_local
 
         local, stage = self._local(), stage_of(self.layout)
@@ -178,8 +189,10 @@ class MegatronEngine(TrainEngine):
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         size = next(self.gpt.parameters()).element_size()
+        ep = self.layout.ep > 1
         return {p.name: WeightSpec(p.shape, size, p.tp_dim if self.layout.tp > 1 else None, dp_dim=None,
-                                   pp_stage=p.pp_stage if self.layout.pp > 1 else None) for p in self.params}
+                                   pp_stage=p.pp_stage if self.layout.pp > 1 else None,
+                                   ep_dim=p.ep_dim if ep else None) for p in self.params}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF tensors on every rank: gathered over tp on the owning stage, then broadcast over pp (a tied
@@ -187,6 +200,7 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state as ps
 
         from hybridflow.models.megatron_convert import hf_shard_from_local, merge_tp_shards
+        from hybridflow.training.megatron_setup import gather_experts
 
         local, stage = self._local(), stage_of(self.layout)
         tp_group, pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
@@ -194,7 +208,8 @@ class MegatronEngine(TrainEngine):
         dtype, device = next(self.gpt.parameters()).dtype, next(self.gpt.parameters()).device
         for param in self.params:
             if param.pp_stage == stage:
-                shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp).contiguous()
+                shard = hf_shard_from_local(param, local[param.mg_name], self.hf_config, self.layout.tp)
+                shard = gather_experts(shard, param.ep_dim, self.layout.ep).contiguous()  # over the EP group
                 if param.tp_dim is not None and self.layout.tp > 1:
                     parts = [torch.empty_like(shard) for _ in range(self.layout.tp)]
                     dist.all_gather(parts, shard, group=tp_group)

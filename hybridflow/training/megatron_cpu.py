@@ -14,6 +14,16 @@ megatron-core assumes CUDA in a few places that are not guarded by a device opti
   ``_set_cuda_rng_state``) and ``torch.cuda.get_rng_state`` / ``manual_seed`` use the CPU generator, so the
   model-parallel RNG tracker (dropout forks) works.
 
+For mixture-of-experts models with expert parallelism (the all-to-all token dispatcher over gloo, which supports
+``all_to_all_single`` with uneven splits) three more, each a crash without it:
+
+* ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` are stand-ins (:class:`_HostStream`: waits and events are
+  no-ops; work on CPU is synchronous), for the dispatcher's device-to-host side stream;
+* ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is ``None`` (the router's gating linear references
+  it, but it is only defined when TransformerEngine imports: a NameError without TE);
+* the dispatcher's ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` turns a CPU tensor of split sizes into a
+  list (it only converts CUDA tensors, and ``all_to_all_single`` rejects a tensor there: TypeError).
+
 Nothing else of megatron-core is changed; fused CUDA kernels (TransformerEngine, apex, fused softmax/rope/bias
 kernels) must be switched off in the TransformerConfig (:func:`hybridflow.models.megatron_convert.transformer_config`
 does that on CPU).
@@ -54,6 +64,61 @@ class _CudaToCpu(TorchFunctionMode):
         return result
 
 
+class _HostEvent:
+    """Stand-in for ``torch.cuda.Event``: CPU work is synchronous, so it is always complete."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU (every op is synchronous): waits are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _moe_patches() -> list:
+    """The three MoE / expert-parallel shims of the module docstring (empty if megatron-core lacks the MoE
+    package)."""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return []
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.tolist()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return [
+        mock.patch.object(torch.cuda, "Stream", _HostStream),
+        mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM),
+        mock.patch.object(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        mock.patch.object(moe_utils, "te_general_gemm", None, create=True),
+        mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", to_host),
+    ]
+
+
 @contextlib.contextmanager
 def _active() -> Iterator[None]:
     from megatron.core.tensor_parallel import random as mg_random
@@ -68,6 +133,7 @@ def _active() -> Iterator[None]:
         mock.patch.object(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed)),
         mock.patch.object(mg_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         mock.patch.object(mg_random, "_set_cuda_rng_state", set_state),
+        *_moe_patches(),
     ]
     with contextlib.ExitStack() as stack:
         for patch in patches:

@@ -21,16 +21,25 @@ from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.protocol import DataProto
 
-__all__ = ["align_rows", "broadcast_outputs", "make_forward_step", "response_rows"]
+__all__ = ["align_rows", "aligned_order", "broadcast_outputs", "make_forward_step", "response_rows"]
+
+
+def aligned_order(micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order (B, S) int64, attended (B, S) bool)``: the column of ``input_ids`` at each aligned position
+    (attended columns first, stable) and whether it is an attended token."""
+    mask = micro.batch["attention_mask"].bool()
+    width = max(int(mask.sum(1).max()), 1)
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    return order, torch.gather(mask, 1, order)
 
 
 def align_rows(micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids (B, S) int64, position_ids (B, S) int64)``: each row's attended tokens first, then padding
     (token 0), positions ``0..S-1``."""
-    ids, mask = micro.batch["input_ids"], micro.batch["attention_mask"].bool()
-    width = max(int(mask.sum(1).max()), 1)
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :width]  # attended columns first
-    aligned = torch.gather(ids, 1, order).masked_fill(~torch.gather(mask, 1, order), 0)
+    ids = micro.batch["input_ids"]
+    order, attended = aligned_order(micro)
+    width = order.shape[1]
+    aligned = torch.gather(ids, 1, order).masked_fill(~attended, 0)
     positions = torch.arange(width, device=ids.device).expand(ids.shape[0], width)
     return aligned.contiguous(), positions.contiguous()
 
@@ -70,19 +79,23 @@ def _outputs(kind: str, out: torch.Tensor, micro: DataProto, sampling: Optional[
 
 
 def make_forward_step(kind: str, losses: list[Optional[Callable]], n_micro: int, store: list,
-                      sampling: Optional[SamplingSpec], entropy: bool) -> Callable:
+                      sampling: Optional[SamplingSpec], entropy: bool,
+                      before_forward: Optional[Callable[[DataProto], None]] = None) -> Callable:
     """The ``forward_step_func(data_iterator, model)`` of Megatron-core's schedules.
 
     The data iterator yields DataProto micro-batches in order; ``losses[i]`` maps micro-batch i's outputs to its
     scalar loss (None: inference, the loss is 0). The last stage appends each micro-batch's outputs (detached) to
     ``store``. The schedule divides each returned loss by ``n_micro``; it is multiplied by ``n_micro`` first so
-    the gradient is that of the sum of the losses (the contract's accumulation).
+    the gradient is that of the sum of the losses (the contract's accumulation). ``before_forward(micro)`` runs
+    right before each micro-batch's model forward (routing replay sets the routers' indices there).
     """
     counter = iter(range(n_micro))
 
     def forward_step(data_iterator: Iterator[DataProto], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
         micro, index = next(data_iterator), next(counter)
         ids, positions = align_rows(micro)
+        if before_forward is not None:
+            before_forward(micro)
         output = model(ids, positions, None)
 
         def loss_func(out: torch.Tensor) -> tuple[torch.Tensor, dict]:

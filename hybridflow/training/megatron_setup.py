@@ -10,10 +10,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from hybridflow.errors import UserError
 from hybridflow.training.base import EngineSpec, ParallelLayout
 from hybridflow.training.megatron_cpu import cpu_adapter
 
-__all__ = ["build_megatron_model", "checkpoint_state", "restore_state", "stage_of"]
+__all__ = ["ExpertLayoutError", "build_megatron_model", "check_experts", "gather_experts", "checkpoint_state", "ep_rank_of", "restore_state", "stage_of"]
 
 MEGATRON_INSTALL = 'strategy megatron needs megatron-core: pip install -e ".[megatron]"'
 
@@ -21,6 +22,48 @@ MEGATRON_INSTALL = 'strategy megatron needs megatron-core: pip install -e ".[meg
 def stage_of(layout: ParallelLayout) -> int:
     """This rank's pipeline stage."""
     return layout.coords(dist.get_rank())[2]
+
+
+class ExpertLayoutError(UserError, ValueError):
+    """``expert_model_parallel_size`` does not fit the model (a dense model, or experts not divisible by it)."""
+
+
+def check_experts(hf_config: Any, ep: int, role: str) -> None:
+    """Refuse expert parallelism the model cannot take.
+
+    Raises:
+        ExpertLayoutError: ``ep > 1`` for a model without experts, or its experts per layer not divisible by ``ep``.
+    """
+    from hybridflow.models.megatron_moe import is_moe, num_experts
+
+    if ep == 1:
+        return
+    key = f"{role}.megatron.expert_model_parallel_size={ep}"
+    if not is_moe(hf_config):
+        raise ExpertLayoutError(f"{key} needs a mixture-of-experts model (qwen3_moe, qwen2_moe, mixtral); "
+                                f"{getattr(hf_config, 'model_type', '?')} has no experts")
+    if num_experts(hf_config) % ep:
+        raise ExpertLayoutError(f"{key} must divide the model's {num_experts(hf_config)} experts per layer")
+
+
+def gather_experts(shard: torch.Tensor, ep_dim: Optional[int], ep: int) -> torch.Tensor:
+    """The whole expert tensor (E, ...) from each EP rank's ``shard`` (E/ep, ...): all-gather over Megatron's
+    expert-parallel group, concatenated along ``ep_dim`` in EP-rank order; ``shard`` itself when ``ep_dim`` is None
+    or ``ep == 1``. Collective: every rank of the group calls it for the same tensor."""
+    if ep_dim is None or ep == 1:
+        return shard
+    from megatron.core import parallel_state as ps
+
+    parts = [torch.empty_like(shard) for _ in range(ep)]
+    dist.all_gather(parts, shard.contiguous(), group=ps.get_expert_model_parallel_group())
+    return torch.cat(parts, dim=ep_dim)
+
+
+def ep_rank_of(layout: ParallelLayout, rank: int) -> int:
+    """The expert-parallel rank of global ``rank``: Megatron's expert groups (order ``tp-cp-ep-dp-pp``, expert
+    tensor parallelism 1) are runs of ``ep`` consecutive ranks of a stage's ``dp * tp`` ranks."""
+    dp_rank, tp_rank, _ = layout.coords(rank)
+    return (dp_rank * layout.tp + tp_rank) % layout.ep
 
 
 def init_parallel_state(layout: ParallelLayout, seed: int, device: str) -> None:
@@ -41,12 +84,15 @@ def init_parallel_state(layout: ParallelLayout, seed: int, device: str) -> None:
     if world != layout.world:
         raise ValueError(f"megatron layout {layout} needs {layout.world} ranks, the worker group has {world}")
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (layout.tp, layout.pp):
-            raise ValueError(f"megatron parallel state is set to (tp, pp)={have} in this process; all megatron "
-                             f"engines of one worker share it, got (tp, pp)=({layout.tp}, {layout.pp})")
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (layout.tp, layout.pp, layout.ep):
+            raise ValueError(f"megatron parallel state is set to (tp, pp, ep)={have} in this process; all megatron "
+                             f"engines of one worker share it, got (tp, pp, ep)=({layout.tp}, {layout.pp}, "
+                             f"{layout.ep})")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+                                 expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=1,
                                  order="tp-cp-ep-dp-pp")
     state = torch.get_rng_state()
     with cpu_adapter(device):
@@ -118,12 +164,14 @@ def build_megatron_model(spec: EngineSpec) -> dict[str, Any]:
     dtype, _ = training_dtypes(spec.model.dtype, spec.device, probe=lambda: False)
     hf_module, hf_state = _hf_state(spec, dtype)
     hf_config = hf_module.config
+    check_experts(hf_config, layout.ep, spec.role)
     _, tp_rank, pp_rank = layout.coords(dist.get_rank())
     with cpu_adapter(spec.device):
         gpt = build_gpt_model(hf_config, spec.kind, tp=layout.tp, pp=layout.pp, pp_rank=pp_rank, dtype=dtype,
-                              device=spec.device)
+                              device=spec.device, ep=layout.ep)
         load_local_state(gpt, local_state_from_hf(hf_state, hf_config, spec.kind, tp=layout.tp, tp_rank=tp_rank,
-                                                  pp=layout.pp, pp_rank=pp_rank))
+                                                  pp=layout.pp, pp_rank=pp_rank, ep=layout.ep,
+                                                  ep_rank=ep_rank_of(layout, dist.get_rank())))
         del hf_state
         parts: dict[str, Any] = {"gpt": gpt, "model": gpt, "hf_config": hf_config, "hf_module": hf_module,
                                  "params": hf_params(hf_config, spec.kind, layout.pp)}
@@ -147,7 +195,8 @@ def checkpoint_state(engine: Any, extra: Optional[dict[str, Any]]) -> dict[str, 
              "rng": rng_state(), "tracker": get_cuda_rng_tracker().get_states(),
              "skipped_steps": engine.skipped_steps, "extra": dict(extra or {}),
              # what hybridflow.models.megatron_export needs to rebuild HF tensors offline
-             "layout": (engine.layout.dp, engine.layout.tp, engine.layout.pp), "kind": engine.spec.kind}
+             "layout": (engine.layout.dp, engine.layout.tp, engine.layout.pp), "ep": engine.layout.ep,
+             "kind": engine.spec.kind}
     if engine.optimizer is not None:
         opts = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
         state["optim"] = [opt.optimizer.state_dict() for opt in opts]

@@ -158,7 +158,8 @@ class ActorRolloutRefWorker(Worker):
                 total_steps=inputs.total_training_steps, grad_clip=cfg.actor.grad_clip,
                 nonfinite_grad=inputs.nonfinite_grad, param_offload=fsdp.param_offload,
                 optimizer_offload=fsdp.optimizer_offload, reshard_after_forward=fsdp.reshard_after_forward,
-                fsdp_size=fsdp.fsdp_size, lora=self._lora, role="actor", remove_padding=cfg.model.use_remove_padding))
+                fsdp_size=fsdp.fsdp_size, lora=self._lora, role="actor", remove_padding=cfg.model.use_remove_padding,
+                router_replay=cfg.actor.router_replay))
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=inputs.loss_scale_factor)
         if self._has_rollout:
             self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, self.tokenizer)

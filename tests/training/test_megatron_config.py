@@ -21,12 +21,28 @@ def test_recipe_loads_with_pipeline_stages_for_actor_and_critic() -> None:
     assert engine_layout("fsdp2", cfg.critic, 2, fsdp_tp=2) == ParallelLayout(dp=1, tp=2, pp=1)
 
 
+def test_expert_parallel_size_is_read_into_the_layout() -> None:
+    """verl's key: ``*.megatron.expert_model_parallel_size`` gives the layout's ep (world unchanged)."""
+    cfg = load_config(RECIPE, ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+                               "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
+    layout = engine_layout("megatron", cfg.actor_rollout_ref.actor, 2)
+    assert layout == ParallelLayout(dp=2, tp=1, pp=1, ep=2) and layout.world == 2
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3"],
      "tensor_model_parallel_size * pipeline_model_parallel_size = 1 * 3 must divide the role's 2 ranks"),
     (["critic.strategy=fsdp2"], "critic.megatron (tp 1, pp 2) is read only with strategy=megatron"),
     (["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
-     "must equal actor_rollout_ref.actor.megatron (1, 2)"),
+     "must equal actor_rollout_ref.actor.megatron (1, 2, 1, 1)"),
+    (["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"],
+     "must equal actor_rollout_ref.actor.megatron (1, 2, 1, 1)"),
+    (["critic.megatron.expert_model_parallel_size=2"],
+     "critic.megatron.expert_model_parallel_size=2 must be >= 1 and divide data * tensor parallel = 1 ranks"),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=0"], "expert_model_parallel_size=0 must be >= 1"),
+    (["critic.megatron.expert_tensor_parallel_size=2"], "expert_tensor_parallel_size=2: only 1 is supported"),
+    (["critic.strategy=fsdp2", "critic.megatron.pipeline_model_parallel_size=1",
+      "critic.megatron.expert_model_parallel_size=2"], "critic.megatron (tp 1, pp 1, ep 2, etp 1) is read only"),
     (["actor_rollout_ref.actor.tensor_model_parallel_size=2"], "with strategy=megatron set"),
     (["critic.megatron.tensor_model_parallel_size=0"], "must be >= 1"),
 ])
@@ -47,8 +63,9 @@ def test_missing_megatron_core_is_one_line_naming_the_extra(monkeypatch) -> None
 def test_defaults_are_one_stage_and_registered() -> None:
     cfg = load_config("quickstart", [])
     for section in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic):
-        assert OmegaConf.to_container(section.megatron) == {"tensor_model_parallel_size": 1,
-                                                             "pipeline_model_parallel_size": 1}
+        assert OmegaConf.to_container(section.megatron) == {
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
+            "expert_tensor_parallel_size": 1}
     assert get_engine_class("megatron").__name__ == "MegatronEngine"
 
 
