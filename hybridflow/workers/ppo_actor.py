@@ -16,6 +16,7 @@ from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.training import TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
+from hybridflow.training.routing_replay import add_router_stats, replay_view
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
 from hybridflow.training.update import loss_metric
 from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
@@ -74,6 +75,7 @@ class PPOActor(EngineModel):
         ``micro_batch_size`` sequences, or with ``use_dynamic_bsz`` at most ``max_token_len`` tokens (a collective
         over the dp ranks, see :mod:`hybridflow.training.token_batches`)."""
         self.engine.set_train(False)
+        data = replay_view(data, getattr(self.config, "router_replay", "off"))
         budget = max_token_len if self.config.use_dynamic_bsz else None
         indices = micro_batch_indices(data, micro_batch_size, budget)
         log_probs, entropies = [], []
@@ -112,6 +114,8 @@ class PPOActor(EngineModel):
             ValueError: no ``old_log_probs`` but more than one mini-batch or epoch.
         """
         cfg = self.config
+        data = replay_view(data, getattr(cfg, "router_replay", "off"))
+        aux_coef = getattr(cfg, "router_aux_loss_coef", 0.0)
         loss_fn = get_policy_loss_fn(cfg.policy_loss)
         mode = cfg.loss_agg_mode
         on_policy = _on_policy(data, cfg.ppo_epochs, mini_batch_size)
@@ -139,6 +143,11 @@ class PPOActor(EngineModel):
                 kl_loss = agg_loss(kl, mask, mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 accumulate(stats, "actor/kl_loss", loss_metric(kl_loss, agg, tokens))
+            if aux_coef != 0 and "router_aux_loss" in outputs:  # MoE load balancing (Switch Transformer); each
+                # micro-batch's term weighted by its share of the mini-batch's tokens: the applied gradient is that of
+                # the token-weighted mean of the micro-batch terms (the dp mean cancels as in training.micro)
+                loss = loss + aux_coef * outputs["router_aux_loss"] * (tokens / agg["num_tokens"])
+            add_router_stats(stats, "actor", outputs, tokens)
             if on_policy:
                 _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask)
             accumulate(stats, "actor/pg_loss", loss_metric(pg_loss, agg, tokens))

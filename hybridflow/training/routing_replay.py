@@ -1,0 +1,133 @@
+"""Mixture-of-experts forwards of the training engines: the router's load-balancing loss and load metrics of each
+forward, and routing replay (``actor.router_replay``).
+
+Routing replay: the rollout records, per token of the full sequence (prompt + response) and per MoE layer, the
+experts its router chose (the ``routed_experts`` batch column, (B, P+R, Ly, k) int16, 0 at padding); a forward of
+a micro-batch that carries the column routes each token to exactly those experts instead of its own top-k (the
+gate weights stay the trainer's softmax probabilities of those experts, so the router still gets gradients). The
+trainer then evaluates the same sparse function the rollout sampled from, which removes the mismatch that a
+different top-k choice (a near tie flipped by bf16 vs fp32, kernels, or a weight update) adds to pi_old / mu.
+
+``actor.router_replay`` (what the actor worker does with the column): ``off`` drops it (every forward routes by
+its own top-k); ``rollout`` keeps the rollout's routing for the old-logprob, reference and update forwards;
+``recompute`` replaces it by the routing of the old-logprob forward (the trainer's own routing at pi_old, replayed
+in the update's forwards so that every epoch and mini-batch evaluates one fixed expert choice).
+
+Shapes: B rows, P+R prompt + response columns, Ly MoE layers, k experts per token, E experts, N tokens of one
+forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+
+from hybridflow.models.moe import RoutingRecord, expert_load, load_balancing_loss, route, routers
+from hybridflow.protocol import DataProto
+from hybridflow.training.packing import padded_columns, use_varlen_attention
+from hybridflow.training.shared_prompt import shared_prompt_layout
+from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
+
+ROUTING_KEY = "routed_experts"  # the batch column of the recorded routing, (B, P+R, Ly, k) int16
+REPLAY_MODES = ("off", "rollout")
+
+
+def forward_token_index(module: torch.nn.Module, micro: DataProto, kind: str, remove_padding: bool) -> torch.Tensor:
+    """(N,) long: for each token of the engine's forward of ``micro``, in the order the model flattens it, its
+    index in the flattened (B*(P+R),) rectangle; mirrors the forwards of :mod:`hybridflow.training.micro` and
+    :mod:`hybridflow.training.packing` (cut padded columns, packed valid tokens, shared prompts)."""
+    batch = micro.batch
+    mask = batch["attention_mask"]
+    rows, width = mask.shape
+    grid = torch.arange(rows * width, device=mask.device).view(rows, width)
+    if remove_padding:
+        if kind != "score" and use_varlen_attention(module):
+            layout = shared_prompt_layout(mask, batch["input_ids"], batch["responses"].shape[1])
+            if layout is not None:
+                return layout.flat_index
+        return mask.bool().flatten().nonzero().flatten()
+    if kind == "score":
+        return grid.flatten()
+    first, end = padded_columns(mask, batch["responses"].shape[1])
+    return grid[:, first:end].flatten()
+
+
+@contextlib.contextmanager
+def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str,
+                remove_padding: bool) -> Iterator[Optional[RoutingRecord]]:
+    """Around one engine forward of ``micro``: yields None for a dense model; for an MoE model the
+    :class:`~hybridflow.models.moe.RoutingRecord` of the forward, replaying ``micro``'s ``routed_experts`` when it
+    has that column.
+
+    Raises:
+        RoutingShapeError: the recorded routing does not fit the model (layers, top-k).
+    """
+    if not routers(module):
+        yield None
+        return
+    replay = None
+    if ROUTING_KEY in micro.batch.keys():
+        index = forward_token_index(module, micro, kind, remove_padding)
+        full = micro.batch[ROUTING_KEY]
+        replay = full.reshape(-1, *full.shape[2:])[index.to(full.device)]
+    with route(module, replay) as record:
+        yield record
+
+
+def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord]) -> dict[str, torch.Tensor]:
+    """The engine outputs of an MoE forward: ``router_aux_loss`` (0-d fp32, with its graph when the forward had
+    one; :func:`~hybridflow.models.moe.load_balancing_loss` over the forward's valid tokens) and ``expert_load``
+    (Ly, E) fp32, each layer's share of routed assignments per expert. Empty for a dense model or a forward that
+    ran no router."""
+    if record is None or not record.logits:
+        return {}
+    top_k = record.indices[0].shape[1]
+    num_experts = record.logits[0].shape[-1]
+    mask = record.mask if record.mask is not None and record.mask.numel() == record.indices[0].shape[0] else None
+    load = torch.stack([expert_load(i, num_experts, mask) for i in record.indices])
+    return {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load}
+
+
+def add_router_stats(stats: dict[str, Metric], prefix: str, outputs: dict[str, torch.Tensor],
+                     tokens: float) -> None:
+    """Pool one micro-batch's router metrics into ``stats`` (weights: its ``tokens`` loss tokens):
+    ``<prefix>/router_aux_loss``; per MoE layer l ``<prefix>/expert_load/layer{l}_max`` and ``_min`` (the largest
+    and smallest share of the layer's routed assignments an expert got; uniform = 1/E) and over all layers
+    ``<prefix>/expert_load_max_min_ratio`` (max over min load, the worst layer; inf when an expert got nothing).
+    No-op without router outputs."""
+    if "expert_load" not in outputs:
+        return
+    accumulate(stats, f"{prefix}/router_aux_loss", Mean(float(outputs["router_aux_loss"].item()) * tokens, tokens))
+    load = outputs["expert_load"].detach().float()
+    for layer, row in enumerate(load):
+        accumulate(stats, f"{prefix}/expert_load/layer{layer}_max", Max(float(row.max())))
+        accumulate(stats, f"{prefix}/expert_load/layer{layer}_min", Min(float(row.min())))
+    ratio = load.max(dim=1).values / load.min(dim=1).values
+    accumulate(stats, f"{prefix}/expert_load_max_min_ratio", Max(float(ratio.max())))
+
+
+def routing_rectangle(module: torch.nn.Module, micro: DataProto, kind: str, remove_padding: bool,
+                      record: RoutingRecord) -> torch.Tensor:
+    """The routing of ``record`` (one forward of ``micro``) placed back in the (B, P+R, Ly, k) int16 layout of the
+    ``routed_experts`` column (0 where the forward computed no token)."""
+    mask = micro.batch["attention_mask"]
+    stacked = record.stacked_indices()
+    out = torch.zeros(mask.numel(), *stacked.shape[1:], dtype=torch.int16, device=stacked.device)
+    out[forward_token_index(module, micro, kind, remove_padding).to(out.device)] = stacked
+    return out.view(*mask.shape, *stacked.shape[1:])
+
+
+def replay_view(data: DataProto, mode: str) -> DataProto:
+    """``data`` as the forwards of ``actor.router_replay=mode`` see it: without the ``routed_experts`` column for
+    ``off`` (a view sharing the tensors; ``data`` is unchanged), else ``data`` itself.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`REPLAY_MODES`.
+    """
+    if mode not in REPLAY_MODES:
+        raise ValueError(f"actor.router_replay must be one of {', '.join(REPLAY_MODES)}, got {mode!r}")
+    if mode != "off" or ROUTING_KEY not in data.batch.keys():
+        return data
+    return data.select(batch_keys=[k for k in data.batch.keys() if k != ROUTING_KEY])
