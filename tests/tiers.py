@@ -120,6 +120,7 @@ TIERS: dict[str, str] = {
     "training/test_fsdp2_kept_gathered.py": "dist",
     "training/test_lora_mixed_precision.py": "dist",
     "training/test_megatron_parity.py": "dist",
+    "training/test_moe_fsdp2.py": "dist",
     "training/test_replicated_engine.py": "dist",
     "training/test_replicated_engine.py::test_autocast_computes_in_bf16_over_fp32_weights": "unit",
     "training/test_shared_prompt.py::test_actor_and_critic_equal_the_padded_path_on_two_ranks": "dist",
