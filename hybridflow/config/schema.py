@@ -112,9 +112,9 @@ class ActorConfig:
     # mixture-of-experts models: coefficient of the router's load-balancing loss (Switch Transformer, as transformers'
     # router_aux_loss_coef) added to the actor loss; 0 = off (the term and the expert-load metrics are still logged)
     router_aux_loss_coef: float = 0.0
-    # mixture-of-experts routing replay: off (every forward routes by its own top-k) | rollout (the old-logprob,
-    # reference and update forwards route each token to the experts the rollout chose) | recompute (the update
-    # forwards replay the old-logprob forward's routing); docs/how-to/moe.md
+    # mixture-of-experts routing replay: off (every forward routes by its own top-k) | rollout (the rollout records
+    # each token's experts; the actor's old-logprob and update forwards route each token to them; the reference and
+    # critic route by their own top-k); docs/how-to/moe.md
     router_replay: str = "off"
     use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss

@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 
 import torch
 
+ROUTING_KEY = "routed_experts"  # the batch column of a recorded routing: (B, P+R, Ly, k) int16 over the full sequence
 ROUTER_SUFFIX = "TopKRouter"  # class-name suffix of transformers' MoE routers (Qwen3Moe, Qwen2Moe, Mixtral)
 
 

@@ -24,13 +24,12 @@ from typing import Iterator, Optional
 
 import torch
 
-from hybridflow.models.moe import RoutingRecord, expert_load, load_balancing_loss, route, routers
+from hybridflow.models.moe import ROUTING_KEY, RoutingRecord, expert_load, load_balancing_loss, route, routers
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import padded_columns, use_varlen_attention
 from hybridflow.training.shared_prompt import shared_prompt_layout
 from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
 
-ROUTING_KEY = "routed_experts"  # the batch column of the recorded routing, (B, P+R, Ly, k) int16
 REPLAY_MODES = ("off", "rollout")
 
 

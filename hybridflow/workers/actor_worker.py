@@ -191,6 +191,8 @@ class ActorRolloutRefWorker(Worker):
             rollout_module = rollout_module.to(self.device)
         rollout_cfg = make_rollout_config(cfg.rollout, self.inputs.max_response_length,
                                           **lora_sync.rollout_lora_options(cfg.model, self.inputs.rollout_lora_adapters))
+        # MoE routing replay: the rollout records each token's experts (docs/how-to/moe.md)
+        rollout_cfg.record_routing = getattr(cfg.actor, "router_replay", "off") == "rollout"
         eos = get_eos_token_ids(path, self.tokenizer)
         if use_engine:
             self._build_hybrid_engine(rollout_cfg, eos)
@@ -303,7 +305,7 @@ class ActorRolloutRefWorker(Worker):
         out.meta_info.pop("seed", None)
         return out
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.ACTOR_SEQUENCE,
               non_tensor_batch_keys=columns.NONE)
     @report_time
     def compute_log_prob(self, data: DataProto) -> DataProto:
