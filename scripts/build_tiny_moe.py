@@ -16,10 +16,10 @@ Steps (all seeded):
    *sparse upcycling* (Komatsuzaki et al. 2022, "Sparse Upcycling: Training Mixture-of-Experts from Dense
    Checkpoints", sec. 3), here with the dense MLP's 384 hidden units split into 8 disjoint slices of 48, one per
    expert: the embeddings, attention and norms are copied; expert e gets the rows e*48..(e+1)*48 of the dense
-   ``gate_proj``/``up_proj`` and those columns of ``down_proj`` times 4 (the router starts near uniform, so the
-   two chosen experts get gate weights ~1/2 each and the expected output over a uniformly random pair,
-   4 * (1/2 + 1/2) * 2/8 * sum of slices, is the dense MLP's). Qwen3-MoE's q/k norms start at 1 (the dense Llama
-   has none), so the copied attention is close to, not equal to, the dense one.
+   ``gate_proj``/``up_proj`` and those columns of ``down_proj`` times 8 (the router starts near uniform, so the
+   two chosen experts get gate weights ~1/2 each; a uniformly random pair holds each expert with probability 2/8,
+   so the expected output, 8 * 1/2 * 2/8 * (sum of the 8 slices), is the dense MLP's). Qwen3-MoE's q/k norms start
+   at 1 (the dense Llama has none), so the copied attention is close to, not equal to, the dense one.
 3. A short SFT (default 300 steps, AdamW, warmup + cosine) on the same full/shortcut mixture as ``tiny-arith``
    (``scripts/build_tiny_arith.py``: full solution with probability ``--correct-fraction``, else the shortcut
    mistake), so temperature-1 sampling is right a fraction of the time and GRPO has something to raise.
@@ -81,7 +81,7 @@ def upcycle(dense: LlamaForCausalLM, seed: int) -> Qwen3MoeForCausalLM:
             for e in range(NUM_EXPERTS):
                 rows = slice(e * width, (e + 1) * width)
                 experts.gate_up_proj[e].copy_(torch.cat([gate[rows], up[rows]]))
-                experts.down_proj[e].copy_(down[:, rows] * (NUM_EXPERTS / TOP_K))
+                experts.down_proj[e].copy_(down[:, rows] * NUM_EXPERTS)  # gate ~1/2 x chosen 2/8 of the time
     model.generation_config = GenerationConfig(**dense.generation_config.to_dict())
     return model
 

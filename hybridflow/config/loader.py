@@ -42,6 +42,7 @@ from hybridflow.config.assemble import assembled_schema, entry_checks
 from hybridflow.config.layouts import apply_layouts
 from hybridflow.registry import Registry
 from hybridflow.config.checks import lora_rollout_problems  # the rollout's side of lora_problems
+from hybridflow.config.moe_checks import router_replay_problems
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
 from hybridflow.utils.provenance import RUN_INFO_KEY
@@ -476,7 +477,8 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> li
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get) + lora_rollout_problems(get),
                lambda: multi_turn_problems(get),
-               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get)]
+               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get),
+               lambda: router_replay_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

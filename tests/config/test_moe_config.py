@@ -1,0 +1,28 @@
+"""The MoE keys at load: ``router_replay`` takes off | rollout, and ``rollout`` is refused in one line where the
+rollout would not record the routing or the engine would not replay it."""
+
+import pytest
+
+from hybridflow.config import load_config
+from hybridflow.config.loader import ConfigError
+
+REPLAY = "actor_rollout_ref.actor.router_replay"
+
+
+def test_moe_recipe_loads_with_its_keys():
+    cfg = load_config("moe_grpo_quickstart", [f"{REPLAY}=rollout"])
+    assert cfg.actor_rollout_ref.actor.router_aux_loss_coef == 0.001
+    assert cfg.actor_rollout_ref.actor.router_replay == "rollout"
+    assert cfg.actor_rollout_ref.model.path == "builtin:tiny-moe"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([f"{REPLAY}=sometimes"], "router_replay: 'sometimes' is not one of off, rollout"),
+    ([f"{REPLAY}=rollout", "actor_rollout_ref.rollout.name=vllm"],
+     "router_replay=rollout needs a rollout that records the experts of each token (hf), got "
+     "actor_rollout_ref.rollout.name=vllm"),
+])
+def test_bad_replay_settings_fail_at_load_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("moe_grpo_quickstart", overrides)
+    assert message in str(err.value)
