@@ -67,6 +67,7 @@ TIERS: dict[str, str] = {
     "examples/test_examples.py": "e2e",
     "mapping/test_plan_to_train_e2e.py": "e2e",
     "rollout/test_multi_turn_vllm.py": "dist",
+    "rollout/test_vllm_moe.py": "dist",
     "rollout/test_vllm_rollout.py": "dist",
     "rollout/test_vllm_rollout.py::test_quickstart_with_vllm_rollout_through_ray": "e2e",
     "test_cli.py::test_config_error_does_not_import_ray": "dist",
