@@ -2,16 +2,15 @@
 forward, and routing replay (``actor.router_replay``).
 
 Routing replay: the rollout records, per token of the full sequence (prompt + response) and per MoE layer, the
-experts its router chose (the ``routed_experts`` batch column, (B, P+R, Ly, k) int16, 0 at padding); a forward of
+experts its router chose (the ``routed_experts`` batch column, (B, P+R, Ly, k) int16); a forward of
 a micro-batch that carries the column routes each token to exactly those experts instead of its own top-k (the
 gate weights stay the trainer's softmax probabilities of those experts, so the router still gets gradients). The
 trainer then evaluates the same sparse function the rollout sampled from, which removes the mismatch that a
 different top-k choice (a near tie flipped by bf16 vs fp32, kernels, or a weight update) adds to pi_old / mu.
 
-``actor.router_replay`` (what the actor worker does with the column): ``off`` drops it (every forward routes by
-its own top-k); ``rollout`` keeps the rollout's routing for the old-logprob, reference and update forwards;
-``recompute`` replaces it by the routing of the old-logprob forward (the trainer's own routing at pi_old, replayed
-in the update's forwards so that every epoch and mini-batch evaluates one fixed expert choice).
+``actor.router_replay`` (what the actor does with the column): ``off`` drops it (every forward routes by its own
+top-k); ``rollout`` keeps the rollout's routing for the actor's old-logprob and update forwards (the reference and
+the critic are not sent the column: they route by their own top-k).
 
 Shapes: B rows, P+R prompt + response columns, Ly MoE layers, k experts per token, E experts, N tokens of one
 forward.
@@ -77,24 +76,30 @@ def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str,
 
 def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord]) -> dict[str, torch.Tensor]:
     """The engine outputs of an MoE forward: ``router_aux_loss`` (0-d fp32, with its graph when the forward had
-    one; :func:`~hybridflow.models.moe.load_balancing_loss` over the forward's valid tokens) and ``expert_load``
-    (Ly, E) fp32, each layer's share of routed assignments per expert. Empty for a dense model or a forward that
-    ran no router."""
+    one; :func:`~hybridflow.models.moe.load_balancing_loss` over the forward's valid tokens), ``expert_load``
+    (Ly, E) fp32, each layer's share of routed assignments per expert, and ``expert_load_ratio`` (0-d), the largest
+    over the layers of max / min expert load (an expert that got no token counts as one assignment, so the ratio
+    stays finite: at most the layer's assignment count). Empty for a dense model or a forward that ran no
+    router."""
     if record is None or not record.logits:
         return {}
     top_k = record.indices[0].shape[1]
     num_experts = record.logits[0].shape[-1]
     mask = record.mask if record.mask is not None and record.mask.numel() == record.indices[0].shape[0] else None
     load = torch.stack([expert_load(i, num_experts, mask) for i in record.indices])
-    return {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load}
+    assignments = top_k * (record.indices[0].shape[0] if mask is None else float(mask.sum()))
+    floor = 1.0 / max(assignments, 1.0)  # an expert that got no token counts as one assignment (finite ratio)
+    ratio = (load.max(dim=1).values / load.min(dim=1).values.clamp(min=floor)).max()
+    return {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load,
+            "expert_load_ratio": ratio}
 
 
 def add_router_stats(stats: dict[str, Metric], prefix: str, outputs: dict[str, torch.Tensor],
                      tokens: float) -> None:
     """Pool one micro-batch's router metrics into ``stats`` (weights: its ``tokens`` loss tokens):
     ``<prefix>/router_aux_loss``; per MoE layer l ``<prefix>/expert_load/layer{l}_max`` and ``_min`` (the largest
-    and smallest share of the layer's routed assignments an expert got; uniform = 1/E) and over all layers
-    ``<prefix>/expert_load_max_min_ratio`` (max over min load, the worst layer; inf when an expert got nothing).
+    and smallest share of the layer's routed assignments an expert got in any micro-batch; uniform = 1/E) and
+    ``<prefix>/expert_load_max_min_ratio`` (``expert_load_ratio`` of :func:`moe_outputs`, the worst micro-batch).
     No-op without router outputs."""
     if "expert_load" not in outputs:
         return
@@ -103,8 +108,7 @@ def add_router_stats(stats: dict[str, Metric], prefix: str, outputs: dict[str, t
     for layer, row in enumerate(load):
         accumulate(stats, f"{prefix}/expert_load/layer{layer}_max", Max(float(row.max())))
         accumulate(stats, f"{prefix}/expert_load/layer{layer}_min", Min(float(row.min())))
-    ratio = load.max(dim=1).values / load.min(dim=1).values
-    accumulate(stats, f"{prefix}/expert_load_max_min_ratio", Max(float(ratio.max())))
+    accumulate(stats, f"{prefix}/expert_load_max_min_ratio", Max(float(outputs["expert_load_ratio"])))
 
 
 def routing_rectangle(module: torch.nn.Module, micro: DataProto, kind: str, remove_padding: bool,
