@@ -61,7 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "algorithm.recompute_old_log_prob": ("auto", "always"),
-    "actor_rollout_ref.actor.router_replay": ("off", "rollout"),
+    "actor_rollout_ref.actor.router_replay": ("off", "rollout", "recompute"),
     # a YAML / command-line bool arrives in the str field as True / False
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
     "critic.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),

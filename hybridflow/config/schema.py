@@ -114,7 +114,8 @@ class ActorConfig:
     router_aux_loss_coef: float = 0.0
     # mixture-of-experts routing replay: off (every forward routes by its own top-k) | rollout (the rollout records
     # each token's experts; the actor's old-logprob and update forwards route each token to them; the reference and
-    # critic route by their own top-k); docs/how-to/moe.md
+    # critic route by their own top-k) | recompute (the update's forwards replay the routing of the actor's
+    # old-logprob forward); docs/how-to/moe.md
     router_replay: str = "off"
     use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss

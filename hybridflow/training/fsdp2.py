@@ -160,7 +160,7 @@ class FSDP2Engine(TrainEngine):
             else:  # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does
                 with torch.autocast(self.spec.device, dtype=self.autocast_dtype):  # when sharded
                     out = self._forward(micro, sampling, entropy)
-        return {**out, **moe_outputs(self.module, routing)}
+        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding)}
 
     def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
         b = micro.batch

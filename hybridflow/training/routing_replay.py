@@ -10,7 +10,10 @@ different top-k choice (a near tie flipped by bf16 vs fp32, kernels, or a weight
 
 ``actor.router_replay`` (what the actor does with the column): ``off`` drops it (every forward routes by its own
 top-k); ``rollout`` keeps the rollout's routing for the actor's old-logprob and update forwards (the reference and
-the critic are not sent the column: they route by their own top-k).
+the critic are not sent the column: they route by their own top-k); ``recompute`` records the routing of the
+old-logprob forward (the trainer's own routing under pi_old) and replays it in the update's forwards, so every
+mini-batch and epoch evaluates pi_theta with the experts pi_old chose (the update's weight changes flip no expert
+choice inside the ratio pi_theta / pi_old).
 
 Shapes: B rows, P+R prompt + response columns, Ly MoE layers, k experts per token, E experts, N tokens of one
 forward.
@@ -29,7 +32,8 @@ from hybridflow.training.packing import padded_columns, use_varlen_attention
 from hybridflow.training.shared_prompt import shared_prompt_layout
 from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
 
-REPLAY_MODES = ("off", "rollout")
+REPLAY_MODES = ("off", "rollout", "recompute")
+RECORD_ROUTING = "record_routing"  # micro-batch meta_info flag: return the forward's routing as routed_experts
 
 
 def forward_token_index(module: torch.nn.Module, micro: DataProto, kind: str, remove_padding: bool) -> torch.Tensor:
@@ -74,13 +78,15 @@ def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str,
         yield record
 
 
-def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord]) -> dict[str, torch.Tensor]:
+def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord], micro: Optional[DataProto] = None,
+                kind: str = "policy", remove_padding: bool = False) -> dict[str, torch.Tensor]:
     """The engine outputs of an MoE forward: ``router_aux_loss`` (0-d fp32, with its graph when the forward had
     one; :func:`~hybridflow.models.moe.load_balancing_loss` over the forward's valid tokens), ``expert_load``
     (Ly, E) fp32, each layer's share of routed assignments per expert, and ``expert_load_ratio`` (0-d), the largest
     over the layers of max / min expert load (an expert that got no token counts as one assignment, so the ratio
-    stays finite: at most the layer's assignment count). Empty for a dense model or a forward that ran no
-    router."""
+    stays finite: at most the layer's assignment count); with ``micro.meta_info["record_routing"]`` also
+    ``routed_experts`` (B, P+R, Ly, k) int16, the forward's own routing (:func:`routing_rectangle`; ``kind`` and
+    ``remove_padding`` as the engine ran it). Empty for a dense model or a forward that ran no router."""
     if record is None or not record.logits:
         return {}
     top_k = record.indices[0].shape[1]
@@ -90,8 +96,11 @@ def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord]) -> dic
     assignments = top_k * (record.indices[0].shape[0] if mask is None else float(mask.sum()))
     floor = 1.0 / max(assignments, 1.0)  # an expert that got no token counts as one assignment (finite ratio)
     ratio = (load.max(dim=1).values / load.min(dim=1).values.clamp(min=floor)).max()
-    return {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load,
-            "expert_load_ratio": ratio}
+    out = {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load,
+           "expert_load_ratio": ratio}
+    if micro is not None and micro.meta_info.get(RECORD_ROUTING):
+        out[ROUTING_KEY] = routing_rectangle(module, micro, kind, remove_padding, record)
+    return out
 
 
 def add_router_stats(stats: dict[str, Metric], prefix: str, outputs: dict[str, torch.Tensor],
@@ -123,14 +132,15 @@ def routing_rectangle(module: torch.nn.Module, micro: DataProto, kind: str, remo
 
 
 def replay_view(data: DataProto, mode: str) -> DataProto:
-    """``data`` as the forwards of ``actor.router_replay=mode`` see it: without the ``routed_experts`` column for
-    ``off`` (a view sharing the tensors; ``data`` is unchanged), else ``data`` itself.
+    """``data`` as the forwards of ``actor.router_replay=mode`` see it: ``data`` itself for ``rollout``, else
+    without the ``routed_experts`` column (a view sharing the tensors; ``data`` is unchanged). The update of
+    ``recompute`` keeps the column the old-logprob forward recorded: it calls this with ``rollout``.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`REPLAY_MODES`.
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"actor.router_replay must be one of {', '.join(REPLAY_MODES)}, got {mode!r}")
-    if mode != "off" or ROUTING_KEY not in data.batch.keys():
+    if mode == "rollout" or ROUTING_KEY not in data.batch.keys():
         return data
     return data.select(batch_keys=[k for k in data.batch.keys() if k != ROUTING_KEY])

@@ -324,8 +324,11 @@ class ActorRolloutRefWorker(Worker):
     def _old_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         rollout = self.config.rollout
         log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
-                                                        rollout.log_prob_max_token_len_per_gpu)
-        return {"old_log_probs": log_prob, "entropys": entropy}
+                                                        rollout.log_prob_max_token_len_per_gpu, record_routing=True)
+        out = {"old_log_probs": log_prob, "entropys": entropy}
+        if self.actor.recorded_routing is not None:  # router_replay=recompute: replayed by the update
+            out["routed_experts"] = self.actor.recorded_routing
+        return out
 
     def _ref_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         ref = self.config.ref

@@ -17,7 +17,7 @@ def test_moe_recipe_loads_with_its_keys():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ([f"{REPLAY}=sometimes"], "router_replay: 'sometimes' is not one of off, rollout"),
+    ([f"{REPLAY}=sometimes"], "router_replay: 'sometimes' is not one of off, rollout, recompute"),
     ([f"{REPLAY}=rollout", "actor_rollout_ref.rollout.name=vllm"],
      "router_replay=rollout needs a rollout that records the experts of each token (hf), got "
      "actor_rollout_ref.rollout.name=vllm"),

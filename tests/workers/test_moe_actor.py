@@ -56,3 +56,33 @@ def test_router_replay_decides_whether_the_routing_is_replayed(replay):
     valid = data.batch["response_mask"].bool()
     moved = (got - own)[valid].abs().max().item()
     assert (moved == 0.0) if replay == "off" else (moved > 1e-3)
+
+
+def test_recompute_records_the_old_logprob_routing_and_the_update_replays_it():
+    from hybridflow.models.moe import route
+    from hybridflow.training import FSDP2Engine
+    from hybridflow.training.routing_replay import routing_rectangle
+
+    actor, model = _actor(0.0, "recompute")
+    data = padded_micro()
+    data.batch[ROUTING_KEY] = torch.zeros(4, P + R, 2, 2, dtype=torch.int16)  # a stale column: not replayed here
+    data.batch[ROUTING_KEY][..., 1] = 7
+    old = actor.compute_log_prob(data, 2, record_routing=True)[0]
+    with route(model) as record:
+        own = FSDP2Engine.from_module(model).forward(padded_micro())["log_probs"]
+    valid = data.batch["response_mask"].bool()
+    torch.testing.assert_close(old[valid], own[valid], rtol=0, atol=1e-6)
+    expected = routing_rectangle(model, padded_micro(), "policy", False, record)
+    seen = data.batch["attention_mask"].bool()
+    assert torch.equal(actor.recorded_routing[seen], expected[seen])
+    assert actor.compute_log_prob(data, 2)[0] is not None and actor.recorded_routing is None  # not asked
+    # the update replays the column it is given (here: the stale one), unlike mode off
+    grads = {}
+    for mode in ("recompute", "off"):
+        actor, model = _actor(0.0, mode)
+        batch = padded_micro()
+        batch.batch.update({ROUTING_KEY: data.batch[ROUTING_KEY], "advantages": torch.ones(4, R), "old_log_probs": old})
+        before = model.lm_head.weight.detach().clone()
+        actor.update_policy(batch, mini_batch_size=4)
+        grads[mode] = before - model.lm_head.weight.detach()
+    assert (grads["recompute"] - grads["off"]).abs().max() > 1e-6
