@@ -43,6 +43,7 @@ from hybridflow.config.assemble import assembled_schema, entry_checks
 from hybridflow.config.layouts import apply_layouts
 from hybridflow.registry import Registry
 from hybridflow.config.checks import lora_rollout_problems  # the rollout's side of lora_problems
+from hybridflow.config.moe_checks import router_replay_problems
 from hybridflow.models.lora import lora_problems
 from hybridflow.tools.config import multi_turn_problems
 from hybridflow.utils.provenance import RUN_INFO_KEY
@@ -61,6 +62,7 @@ CHOICES: dict[str, tuple[str, ...]] = {  # keys whose value must be one of a fix
     "actor_rollout_ref.actor.optim.lr_scheduler_type": ("constant", "cosine"),
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
     "algorithm.recompute_old_log_prob": ("auto", "always"),
+    "actor_rollout_ref.actor.router_replay": ("off", "rollout", "recompute"),
     # a YAML / command-line bool arrives in the str field as True / False
     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
     "critic.fsdp_config.reshard_after_forward": ("auto", "true", "false", "True", "False"),
@@ -477,7 +479,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> li
                lambda: parallel_layout_problems(get), lambda: lora_problems(get) + lora_rollout_problems(get),
                lambda: multi_turn_problems(get),
                lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get),
-               lambda: sequence_parallel_problems(get)]
+               lambda: sequence_parallel_problems(get), lambda: router_replay_problems(get)]
     problems: list[str] = []
     for check in checks:
         try:

@@ -116,13 +116,19 @@ class ActorConfig:
     # (its numerator and its token/sequence counts)
     overlong_filter: bool = False
     entropy_coeff: float = 0.0  # entropy bonus coefficient
+    # mixture-of-experts models: coefficient of the router's load-balancing loss (Switch Transformer, as transformers'
+    # router_aux_loss_coef) added to the actor loss; 0 = off (the term and the expert-load metrics are still logged)
+    router_aux_loss_coef: float = 0.0
+    # mixture-of-experts routing replay: off (every forward routes by its own top-k) | rollout (the rollout records
+    # each token's experts; the actor's old-logprob and update forwards route each token to them; the reference and
+    # critic route by their own top-k) | recompute (the update's forwards replay the routing of the actor's
+    # old-logprob forward; fsdp2 only); strategy=megatron replays through megatron-core's router replay;
+    # docs/how-to/moe.md
+    router_replay: str = "off"
     use_kl_loss: bool = False  # add KL(actor || reference) to the actor loss (GRPO style)
     kl_loss_coef: float = 0.001  # coefficient of the KL loss
     kl_loss_type: str = "low_var_kl"  # kl estimator for the KL loss: kl | abs | mse | low_var_kl
     grad_clip: float = 1.0  # max global grad norm
-    # MoE routing replay: off | rollout (the old-logprob and training forwards use the experts the rollout chose per
-    # token and layer, the batch's routed_experts column) | recompute; strategy=megatron runs off and rollout
-    router_replay: str = "off"
     # training tensor-parallel size (DTensor, inside FSDP2 over dp = ranks / tp); verl keeps it under megatron.*
     tensor_model_parallel_size: int = 1
     # Ulysses sequence parallelism (fsdp2): ranks per dp group that share a batch and split each sequence (dp =

@@ -157,13 +157,14 @@ class CostParams:
 
 
 def train_flops(model: ModelSpec, tokens: float, recompute: bool = False) -> float:
-    """FLOP of forward + backward over ``tokens`` tokens: 6·N·tokens, 8·N·tokens with recomputation."""
-    return (8 if recompute else 6) * model.n_params * tokens
+    """FLOP of forward + backward over ``tokens`` tokens: 6·N·tokens, 8·N·tokens with recomputation (N: the
+    parameters a token computes with, :attr:`ModelSpec.n_active_params`: an MoE model's routed experts only)."""
+    return (8 if recompute else 6) * model.n_active_params * tokens
 
 
 def forward_flops(model: ModelSpec, tokens: float) -> float:
-    """FLOP of a forward pass over ``tokens`` tokens: 2·N·tokens."""
-    return 2 * model.n_params * tokens
+    """FLOP of a forward pass over ``tokens`` tokens: 2·N·tokens (N: :attr:`ModelSpec.n_active_params`)."""
+    return 2 * model.n_active_params * tokens
 
 
 def compute_time(flops: float, n_devices: int, peak_flops: float, mfu: float) -> float:

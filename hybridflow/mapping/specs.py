@@ -4,8 +4,8 @@ Units used throughout ``hybridflow.mapping``: seconds, bytes, FLOP and FLOP/s, b
 one CPU rank: a process with one intra-op thread). Every spec is a frozen dataclass, so specs can key caches.
 
 Presets: devices ``A100-80G``, ``H100``, ``H200``, ``cpu`` (``DEVICE_PRESETS``); models ``7B``, ``13B``,
-``34B``, ``70B`` (Llama-2 shapes; 34B is the Code Llama 34B shape with vocab 32000) and ``tiny-arith`` (the
-model shipped with hybridflow) (``MODEL_PRESETS``). ``get_model`` also reads a local Hugging Face
+``34B``, ``70B`` (Llama-2 shapes; 34B is the Code Llama 34B shape with vocab 32000), ``Qwen3-30B-A3B`` (a
+mixture of experts) and ``tiny-arith`` (the model shipped with hybridflow) (``MODEL_PRESETS``). ``get_model`` also reads a local Hugging Face
 ``config.json``.
 """
 
@@ -154,6 +154,11 @@ class ModelSpec:
 
     ``value_head``: the LM head (vocab x hidden) is replaced by a scalar head (critic, reward and cost models).
     ``max_positions``: the longest sequence it takes (``max_position_embeddings``; None: unknown).
+
+    Mixture of experts (``experts`` > 0; Qwen3-MoE / Qwen2-MoE / Mixtral): every layer's MLP is ``experts`` gated
+    MLPs of ``moe_intermediate`` hidden units, a router (hidden x experts) and optionally a shared expert of
+    ``shared_intermediate`` units; each token runs ``experts_per_token`` of them. Memory counts every parameter
+    (:attr:`n_params`), compute the ones a token runs (:attr:`n_active_params`).
     """
 
     name: str
@@ -166,29 +171,56 @@ class ModelSpec:
     tied_embeddings: bool = False
     value_head: bool = False
     max_positions: int | None = None
+    experts: int = 0  # routed experts per layer (0: a dense model)
+    experts_per_token: int = 0  # top-k
+    moe_intermediate: int = 0  # hidden units of one expert
+    shared_intermediate: int = 0  # hidden units of the shared expert (Qwen2-MoE); 0: none
+    attention_head_dim: int | None = None  # a head's width when it is not hidden / heads (Qwen3: 128); None: that
 
     def __post_init__(self) -> None:
         if min(self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate, self.vocab) < 1:
             raise SpecError(f"model {self.name}: every size must be >= 1, got {self}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if self.experts and not (1 <= self.experts_per_token <= self.experts and self.moe_intermediate >= 1):
+            raise SpecError(f"model {self.name}: an MoE model needs 1 <= experts_per_token <= experts and "
+                            f"moe_intermediate >= 1, got {self.experts_per_token}, {self.experts}, "
+                            f"{self.moe_intermediate}")
+        if (self.attention_head_dim is None and self.hidden % self.heads) or self.heads % self.kv_heads:
             raise SpecError(f"model {self.name}: hidden ({self.hidden}) must be divisible by heads ({self.heads}) "
                             f"and heads by kv_heads ({self.kv_heads})")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
+
+    def _layer_params(self, experts: int) -> int:
+        """One decoder layer's q, k, v, o projections, two RMSNorms and its MLP: the gated MLP, or with
+        ``experts`` of the MoE's experts counted (the router and the shared expert always)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = 3 * h * self.intermediate
+        if self.experts:
+            mlp = experts * 3 * h * self.moe_intermediate + 3 * h * self.shared_intermediate + h * self.experts
+        return 2 * h * q + 2 * h * kv + mlp + 2 * h
 
     @functools.cached_property
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: q, k, v, o projections, gate/up/down MLP, two RMSNorms."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate + 2 * h
+        """Parameters of one decoder layer: q, k, v, o projections, the MLP (every expert), two RMSNorms."""
+        return self._layer_params(self.experts)
+
+    def _total(self, layer_params: int) -> int:
+        head = self.hidden if self.value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
+        return self.vocab * self.hidden + self.layers * layer_params + self.hidden + head
 
     @functools.cached_property
     def n_params(self) -> int:
-        """All parameters: embedding, layers, final norm, and the LM head (or a scalar value head)."""
-        head = self.hidden if self.value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
-        return self.vocab * self.hidden + self.layers * self.layer_params + self.hidden + head
+        """All parameters (what memory holds): embedding, layers, final norm, and the LM head (or a scalar value
+        head)."""
+        return self._total(self.layer_params)
+
+    @functools.cached_property
+    def n_active_params(self) -> int:
+        """Parameters one token computes with (what FLOP count): :attr:`n_params` with only ``experts_per_token``
+        experts per MoE layer; :attr:`n_params` for a dense model."""
+        return self._total(self._layer_params(self.experts_per_token)) if self.experts else self.n_params
 
     @property
     def n_tensors(self) -> int:
@@ -218,10 +250,17 @@ class ModelSpec:
             return int(config[key])
 
         heads = need("num_attention_heads")
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)  # Qwen-MoE | Mixtral
+        moe = dict(experts=experts, experts_per_token=int(config.get("num_experts_per_tok") or 0),
+                   moe_intermediate=int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0),
+                   shared_intermediate=int(config.get("shared_expert_intermediate_size") or 0)) if experts else {}
+        head_dim = config.get("head_dim")
+        if head_dim is not None and int(head_dim) * heads != need("hidden_size"):
+            moe["attention_head_dim"] = int(head_dim)
         return cls(name=name, layers=need("num_hidden_layers"), hidden=need("hidden_size"), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads), intermediate=need("intermediate_size"),
                    vocab=need("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-                   max_positions=config.get("max_position_embeddings"))
+                   max_positions=config.get("max_position_embeddings"), **moe)
 
 
 MODEL_PRESETS: dict[str, ModelSpec] = {  # max_positions: Llama 2 4096, Code Llama 16384 (their config.json)
@@ -231,11 +270,14 @@ MODEL_PRESETS: dict[str, ModelSpec] = {  # max_positions: Llama 2 4096, Code Lla
     "70B": ModelSpec("70B", 80, 8192, 64, 8, 28672, 32000, max_positions=4096),
     # hybridflow/models/builtin (vocab: its 512-token tokenizer padded to a multiple of 64; 256 positions)
     "tiny-arith": ModelSpec("tiny-arith", 4, 128, 4, 2, 384, 512, tied_embeddings=True, max_positions=256),
+    # Qwen3-30B-A3B's config.json: 128 experts of 768 units, top-8, heads of 128 (30.5B parameters, 3.3B active)
+    "Qwen3-30B-A3B": ModelSpec("Qwen3-30B-A3B", 48, 2048, 32, 4, 6144, 151936, max_positions=40960, experts=128,
+                               experts_per_token=8, moe_intermediate=768, attention_head_dim=128),
 }
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A preset (``7B``, ``13B``, ``34B``, ``70B``, ``tiny-arith``; case-insensitive), or the ``config.json`` of a
+    """A preset (``7B``, ``13B``, ``34B``, ``70B``, ``Qwen3-30B-A3B``, ``tiny-arith``; case-insensitive), or the ``config.json`` of a
     local Hugging Face model directory (a path to the directory or to the file; ``builtin:NAME`` is resolved, and so
     is a hub id ``org/name``, as training resolves it: the hub cache, downloading unless ``HF_HUB_OFFLINE=1``).
 

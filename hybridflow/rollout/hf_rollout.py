@@ -22,6 +22,7 @@ from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
+from hybridflow.rollout.routing_record import attach_routing, decode_routing
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ def _retie(module: torch.nn.Module, alias_groups: list[list[str]]) -> None:
             setattr(module.get_submodule(owner_name), leaf, shared)
 
 
-@register_rollout("hf", uses_hybrid_engine=True, supports_int8_quantization=True, lora_adapter_sync=True)
+@register_rollout("hf", uses_hybrid_engine=True, supports_int8_quantization=True, lora_adapter_sync=True,
+                  records_routing=True)
 class HFRollout(BaseRollout):
     """Rollout backend over a Hugging Face causal LM, decoding with ``DynamicCache``.
 
@@ -135,7 +137,9 @@ class HFRollout(BaseRollout):
             + 1, + 2, ... for every response slot, padded ones included; ``response_mask`` (N, R) long, 1 on
             generated tokens up to and including the first eos; ``rollout_log_probs`` (N, R) float32,
             logprob of each token under the distribution it was drawn from, 0 where response_mask is 0;
-            ``truncated`` (N,) bool, True where the response used all R slots without emitting an eos.
+            ``truncated`` (N,) bool, True where the response used all R slots without emitting an eos;
+            with ``config.record_routing`` and an MoE model ``routed_experts`` (N, P+R, Ly, k) int16, the experts
+            each MoE layer routed each token to (:mod:`hybridflow.rollout.routing_record`).
             meta_info: ``num_generated_tokens`` (int, sum of response_mask), ``generate_seconds`` (float).
             The input's non-tensor columns and meta_info are not carried over; repeat the input batch with
             ``repeat(n, interleave=True)`` to align it with the output.
@@ -166,18 +170,14 @@ class HFRollout(BaseRollout):
         start = time.perf_counter()
         was_training = self.module.training
         self.module.eval()
+        chunks, routings = [], []  # routings: an MoE model's routing per decode (record_routing)
         try:
-            chunks = [
-                self._decode(
-                    input_ids[i : i + rows_per_call].to(self._device),
-                    attention_mask[i : i + rows_per_call].to(self._device),
-                    position_ids[i : i + rows_per_call].to(self._device),
-                    eos_ids,
-                    params,
-                    generator,
-                )
-                for i in range(0, input_ids.shape[0], rows_per_call)
-            ]
+            for i in range(0, input_ids.shape[0], rows_per_call):
+                rows = slice(i, i + rows_per_call)
+                with decode_routing(self.module, getattr(self.config, "record_routing", False)) as routing:
+                    chunks.append(self._decode(input_ids[rows].to(self._device), attention_mask[rows].to(self._device),
+                                               position_ids[rows].to(self._device), eos_ids, params, generator))
+                routings.append(routing.rectangle(len(chunks[-1][0]), input_ids.shape[1], params["response_length"]))
         finally:
             self.module.train(was_training)
         seconds = time.perf_counter() - start
@@ -186,6 +186,7 @@ class HFRollout(BaseRollout):
         out = build_rollout_output(
             input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds, eos_ids.cpu()
         )
+        attach_routing(out, routings)
         logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"],
                      seconds)
         return out

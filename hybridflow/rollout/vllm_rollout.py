@@ -104,7 +104,8 @@ class WeightSyncExtension:
     number of times, then ``hybridflow_finish_weight_update()``. Between begin and finish, vLLM's layerwise
     reload buffers each layer's tensors until the layer is complete, then loads them with the model's own
     weight loaders (fusing q/k/v and gate/up, sharding for tensor parallelism) and re-runs the layer's
-    post-load processing (e.g. the CPU kernels' weight repacking); finish restores layers that got no weight.
+    post-load processing (e.g. the CPU kernels' weight repacking; MoE experts: :mod:`hybridflow.rollout.vllm_moe`);
+    finish restores layers that got no weight.
     A layer's tensors may therefore be split over several buckets. Names are Hugging Face checkpoint names.
     """
 
@@ -113,6 +114,7 @@ class WeightSyncExtension:
 
         initialize_layerwise_reload(self.model_runner.get_model())
         self._hybridflow_loaded: set[str] = set()
+        self._hybridflow_engine_names: set[str] = set()
 
     def hybridflow_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Load one bucket of ``(name, tensor)``; returns the engine parameter names it loaded.
@@ -132,14 +134,19 @@ class WeightSyncExtension:
             self._hybridflow_loaded.add(name)
             bucket.append((name, tensor))
         with set_current_vllm_config(self.vllm_config):
-            return sorted(model.load_weights(bucket))
+            names = sorted(model.load_weights(bucket))
+        self._hybridflow_engine_names.update(names)  # MoE layers to repack at finish (rollout.vllm_moe)
+        return names
 
     def hybridflow_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        from hybridflow.rollout.vllm_moe import repack_reloaded_experts
+
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+            repack_reloaded_experts(self.model_runner.get_model(), self._hybridflow_engine_names)
         self._hybridflow_loaded = set()
 
     def hybridflow_parameter_names(self) -> list[str]:

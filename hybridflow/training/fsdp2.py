@@ -30,6 +30,7 @@ from hybridflow.training.dtype_probe import model_step_timer
 from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
+from hybridflow.training.routing_replay import moe_forward, moe_outputs
 from hybridflow.training.ulysses import ulysses_forward
 from hybridflow.distributed.sequence_parallel import new_sp_group
 
@@ -68,7 +69,8 @@ def _reshard(module: torch.nn.Module) -> None:
             sub.reshard()
 
 
-@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config", sequence_parallel=True)
+@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config", sequence_parallel=True,
+                 router_replay=("rollout", "recompute"))
 class FSDP2Engine(TrainEngine):
     """FSDP2 + DTensor tp (see the module docstring). Build with :meth:`build`, or wrap a module that is already
     laid out (or plain, single process) with :meth:`from_module`.
@@ -158,11 +160,14 @@ class FSDP2Engine(TrainEngine):
 
     def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
                 entropy: bool = False) -> dict[str, torch.Tensor]:
-        if self.autocast_dtype is None:
-            return self._forward(micro, sampling, entropy)
-        # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does when sharded
-        with torch.autocast(self.spec.device, dtype=self.autocast_dtype):
-            return self._forward(micro, sampling, entropy)
+        # an MoE model: replays the micro-batch's routed_experts and adds router_aux_loss / expert_load
+        with moe_forward(self.module, micro, self.spec.kind, self.spec.remove_padding) as routing:
+            if self.autocast_dtype is None:
+                out = self._forward(micro, sampling, entropy)
+            else:  # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does
+                with torch.autocast(self.spec.device, dtype=self.autocast_dtype):  # when sharded
+                    out = self._forward(micro, sampling, entropy)
+        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding)}
 
     def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
         if self.sp_group is not None:  # Ulysses: the sequence split over the sp group

@@ -35,6 +35,7 @@ __all__ = ["MegatronEngine"]
 # engines of colocated roles would share one layout and seed (the trainer keeps such roles in separate processes);
 # layout_section: a role's (tp, pp) come from its ``megatron`` sub-section (hybridflow.training.engine_layout)
 @register_engine("megatron", pipeline_parallel=True, process_wide_state=True, layout_section="megatron",
+                 router_replay=("rollout",),
                  requires_package="megatron.core", install_hint='megatron-core: pip install -e ".[megatron]"')
 class MegatronEngine(TrainEngine):
     """Megatron-core tp x pp x dp (see the module docstring); build with :meth:`build`.

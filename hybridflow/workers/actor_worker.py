@@ -193,6 +193,8 @@ class ActorRolloutRefWorker(Worker):
             rollout_module = rollout_module.to(self.device)
         rollout_cfg = make_rollout_config(cfg.rollout, self.inputs.max_response_length,
                                           **lora_sync.rollout_lora_options(cfg.model, self.inputs.rollout_lora_adapters))
+        # MoE routing replay: the rollout records each token's experts (docs/how-to/moe.md)
+        rollout_cfg.record_routing = getattr(cfg.actor, "router_replay", "off") == "rollout"
         eos = get_eos_token_ids(path, self.tokenizer)
         if use_engine:
             self._build_hybrid_engine(rollout_cfg, eos)
@@ -305,7 +307,7 @@ class ActorRolloutRefWorker(Worker):
         out.meta_info.pop("seed", None)
         return out
 
-    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.ACTOR_SEQUENCE,
               non_tensor_batch_keys=columns.NONE)
     @report_time
     def compute_log_prob(self, data: DataProto) -> DataProto:
@@ -324,8 +326,11 @@ class ActorRolloutRefWorker(Worker):
     def _old_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         rollout = self.config.rollout
         log_prob, entropy = self.actor.compute_log_prob(data, rollout.log_prob_micro_batch_size_per_gpu, True,
-                                                        rollout.log_prob_max_token_len_per_gpu)
-        return {"old_log_probs": log_prob, "entropys": entropy}
+                                                        rollout.log_prob_max_token_len_per_gpu, record_routing=True)
+        out = {"old_log_probs": log_prob, "entropys": entropy}
+        if self.actor.recorded_routing is not None:  # router_replay=recompute: replayed by the update
+            out["routed_experts"] = self.actor.recorded_routing
+        return out
 
     def _ref_log_prob(self, data: DataProto) -> dict[str, torch.Tensor]:
         ref = self.config.ref

@@ -7,8 +7,10 @@ for AIPO or truncated IS, ``truncated`` for the overlong filter) is listed, and 
 
 #: the token sequences every forward reads: (B, P + R) ids, mask, positions; (B, R) responses and their mask
 SEQUENCE = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+#: the actor's own forwards (old logprobs): the sequences and an MoE rollout's routing (actor.router_replay=rollout)
+ACTOR_SEQUENCE = SEQUENCE + ("routed_experts",)
 #: the actor's update: the sequences, the PPO inputs and what the loss options read
-ACTOR_UPDATE = SEQUENCE + ("old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "truncated")
+ACTOR_UPDATE = ACTOR_SEQUENCE + ("old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs", "truncated")
 #: the critic's update: the sequences, the values before the update (value clipping) and the returns
 CRITIC_UPDATE = SEQUENCE + ("values", "returns")
 #: a rule reward or cost decodes the responses; its scoring function gets every non-tensor column

@@ -16,6 +16,8 @@ from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.protocol import DataProto
 from hybridflow.training import TrainEngine, update_mini_batches
 from hybridflow.training.micro import global_agg_kwargs
+from hybridflow.models.moe import ROUTING_KEY
+from hybridflow.training.routing_replay import RECORD_ROUTING, add_router_stats, replay_view
 from hybridflow.training.token_batches import gather_in_order, micro_batch_indices
 from hybridflow.training.update import loss_metric
 from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
@@ -61,26 +63,38 @@ class PPOActor(EngineModel):
         super().__init__(engine, optimizer, config, nonfinite_grad, use_remove_padding)
         self.loss_scale_factor = loss_scale_factor
         self.sampling = sampling
+        self.recorded_routing: Optional[torch.Tensor] = None  # compute_log_prob(record_routing=True)
 
     def _log_prob(self, micro: DataProto, calculate_entropy: bool):
         out = self.engine.forward(micro, sampling=self.sampling, entropy=calculate_entropy)
-        return out["log_probs"], out.get("entropy")
+        return out["log_probs"], out.get("entropy"), out.get(ROUTING_KEY)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, micro_batch_size: int, calculate_entropy: bool = False,
-                         max_token_len: int | None = None):
+                         max_token_len: int | None = None, record_routing: bool = False):
         """Log-probabilities of ``responses`` (B, R) fp32 under the current policy; also the entropy (B, R)
         when ``calculate_entropy`` (else None). Padded positions hold arbitrary finite values. Micro-batches hold
         ``micro_batch_size`` sequences, or with ``use_dynamic_bsz`` at most ``max_token_len`` tokens (a collective
-        over the dp ranks, see :mod:`hybridflow.training.token_batches`)."""
+        over the dp ranks, see :mod:`hybridflow.training.token_batches`).
+
+        ``record_routing`` with ``router_replay=recompute`` and an MoE policy: the forwards' own routing is kept in
+        :attr:`recorded_routing` ((B, P+R, Ly, k) int16, :mod:`hybridflow.training.routing_replay`), else that is
+        None."""
         self.engine.set_train(False)
+        data = replay_view(data, getattr(self.config, "router_replay", "off"))
+        if record_routing and getattr(self.config, "router_replay", "off") == "recompute":
+            data = data.select()  # a shallow copy: the caller's meta_info is left as it was
+            data.meta_info[RECORD_ROUTING] = True
         budget = max_token_len if self.config.use_dynamic_bsz else None
         indices = micro_batch_indices(data, micro_batch_size, budget)
-        log_probs, entropies = [], []
+        log_probs, entropies, routings = [], [], []
         for index in indices:
-            log_prob, entropy = self._log_prob(data[index] if index.numel() else data[:1], calculate_entropy)
+            log_prob, entropy, routing = self._log_prob(data[index] if index.numel() else data[:1], calculate_entropy)
             log_probs.append(log_prob)
             entropies.append(entropy)
+            routings.append(routing)
+        recorded = all(r is not None for r in routings) and data.meta_info.get(RECORD_ROUTING, False)
+        self.recorded_routing = gather_in_order(routings, indices, len(data)) if recorded else None
         log_prob = gather_in_order(log_probs, indices, len(data))
         return log_prob, (gather_in_order(entropies, indices, len(data)) if calculate_entropy else None)
 
@@ -112,6 +126,9 @@ class PPOActor(EngineModel):
             ValueError: no ``old_log_probs`` but more than one mini-batch or epoch.
         """
         cfg = self.config
+        replay = getattr(cfg, "router_replay", "off")  # recompute: the old-logprob forward's routing is replayed
+        data = replay_view(data, "rollout" if replay == "recompute" else replay)
+        aux_coef = getattr(cfg, "router_aux_loss_coef", 0.0)
         loss_fn = get_policy_loss_fn(cfg.policy_loss)
         mode = cfg.loss_agg_mode
         on_policy = _on_policy(data, cfg.ppo_epochs, mini_batch_size)
@@ -139,6 +156,11 @@ class PPOActor(EngineModel):
                 kl_loss = agg_loss(kl, mask, mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 accumulate(stats, "actor/kl_loss", loss_metric(kl_loss, agg, tokens))
+            if aux_coef != 0 and "router_aux_loss" in outputs:  # MoE load balancing (Switch Transformer); each
+                # micro-batch's term weighted by its share of the mini-batch's tokens: the applied gradient is that of
+                # the token-weighted mean of the micro-batch terms (the dp mean cancels as in training.micro)
+                loss = loss + aux_coef * outputs["router_aux_loss"] * (tokens / agg["num_tokens"])
+            add_router_stats(stats, "actor", outputs, tokens)
             if on_policy:
                 _add_on_policy_stats(stats, b, log_prob.detach(), entropy.detach(), mask)
             accumulate(stats, "actor/pg_loss", loss_metric(pg_loss, agg, tokens))

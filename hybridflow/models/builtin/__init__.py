@@ -14,6 +14,11 @@ added tokens) and a chat template that renders ``tools=`` and ``tool`` messages,
 the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the two stages in
 ``scripts/build_tiny_tool.py``'s docstring.
 
+``tiny-moe``: a 0.86M-parameter Qwen3-MoE-architecture model (the tiny-arith trunk and tokenizer; every MLP a mixture of
+8 experts of 48 hidden units, top-2), sparse-upcycled from tiny-arith and SFT-trained briefly on the same mixture: the
+starting point of ``recipes/moe_grpo_quickstart.yaml``. Rebuild it with
+``python scripts/build_tiny_moe.py --out hybridflow/assets/tiny-moe``.
+
 A Hugging Face hub id (``Qwen/Qwen2.5-0.5B-Instruct``: ``org/name`` that is no local path) resolves to its snapshot
 in the Hugging Face cache (:func:`resolve_hub_id`), downloaded when missing unless ``HF_HUB_OFFLINE`` is set.
 """
@@ -30,7 +35,8 @@ from hybridflow.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
-BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool")}
+BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool"),
+                                  "tiny-moe": str(_ASSETS / "tiny-moe")}  # tiny-moe: scripts/build_tiny_moe.py
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # files no transformers loader reads: the original (non-HF) checkpoints some repositories carry next to the HF ones
 HUB_IGNORE_PATTERNS = ("original/*", "*.pth")

@@ -1,0 +1,49 @@
+"""The load-time checks of the mixture-of-experts keys (``actor_rollout_ref.actor.router_replay``): each problem is one
+line naming the keys, as the other ``*_problems`` checks of :mod:`hybridflow.config.checks`.
+
+What records and replays a routing is registration metadata, not a name table here: a rollout backend registered
+with ``records_routing=True`` (hf) records each token's experts; a training engine registered with
+``router_replay=(modes...)`` replays them (fsdp2: ``rollout`` and ``recompute``; megatron: ``rollout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hybridflow.config.checks import declared
+
+
+def _engine_replay_modes(engine: str) -> tuple[str, ...]:
+    from hybridflow.registry import UnknownNameError
+    from hybridflow.training import ENGINES
+
+    try:
+        return tuple(ENGINES.meta(engine, "router_replay") or ())
+    except UnknownNameError:  # reported by strategy_problems
+        return ("rollout", "recompute")
+
+
+def router_replay_problems(get: Callable[[str], Any]) -> list[str]:
+    """``router_replay=rollout`` needs a rollout that records the routing, and ``rollout`` or ``recompute`` an actor
+    engine that replays in that mode; otherwise the replay would silently not happen. Neither, nor the router's
+    load-balancing loss, runs with Ulysses sequence parallelism yet (each sp rank routes a slice of the sequence)."""
+    actor = "actor_rollout_ref.actor"
+    mode = get(f"{actor}.router_replay")
+    problems = []
+    if get(f"{actor}.router_aux_loss_coef") and get(f"{actor}.ulysses_sequence_parallel_size") != 1:
+        problems.append(f"{actor}.router_aux_loss_coef > 0 does not run with {actor}.ulysses_sequence_parallel_size "
+                        "> 1 (each sp rank sees a slice of the sequence: not supported yet)")
+    if mode not in ("rollout", "recompute"):
+        return problems
+    rollout = get("actor_rollout_ref.rollout.name")
+    if mode == "rollout" and not declared("rollout", rollout, "records_routing", False):
+        problems.append(f"{actor}.router_replay=rollout needs a rollout that records the experts of each token "
+                        f"(registered with records_routing), got actor_rollout_ref.rollout.name={rollout}")
+    strategy = get(f"{actor}.strategy")
+    if mode not in _engine_replay_modes(strategy):
+        problems.append(f"{actor}.router_replay={mode} is not replayed by the {strategy} engine ({actor}.strategy)")
+    if get(f"{actor}.ulysses_sequence_parallel_size") != 1:
+        problems.append(f"{actor}.router_replay={mode} does not run with {actor}.ulysses_sequence_parallel_size > 1 "
+                        "(not supported yet)")
+    return problems
