@@ -104,8 +104,8 @@ class ParallelLayout:
 
     def weight_layout(self) -> "ParallelLayout":
         """The layout the weights are sharded on: ``dp * sp`` FSDP shards (the sp ranks of a dp group hold
-        different shards; only the data is shared), the same ranks in the same order."""
-        return ParallelLayout(dp=self.dp * self.sp, tp=self.tp, pp=self.pp)
+        different shards; only the data is shared), the same ranks in the same order, the experts split as ``ep``."""
+        return ParallelLayout(dp=self.dp * self.sp, tp=self.tp, pp=self.pp, ep=self.ep)
 
 
 @dataclass(frozen=True)

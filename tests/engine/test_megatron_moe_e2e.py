@@ -5,7 +5,8 @@ rollout generating from the 3D-HybridEngine's tp_g=2 generation shards (4 expert
 What is checked: the run completes both steps; the generation shards sample from the policy the EP layout
 recomputes (``rollout/logprob_diff_max`` <= 1e-4 in fp32); step 2 samples from the updated, resharded weights
 (``rollout/kl`` != 0; an entropy bonus gives a gradient while the random model scores 0); the checkpoint of the
-EP layout exports to full HF weights that differ from the initial ones.
+EP layout exports to full HF weights that differ from the initial ones. With ``router_replay=rollout`` the hf
+rollout records each token's experts from the generation shards and the megatron forwards replay them.
 """
 
 import json
@@ -35,6 +36,7 @@ def test_grpo_on_moe_with_megatron_expert_parallelism(tmp_path, ray_session):
         "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
         "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient even while the random model scores 0
+        "actor_rollout_ref.actor.router_replay=rollout",  # the hf rollout records routing, megatron replays it
     ]))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     train = [r for r in rows if "actor/pg_loss" in r]
