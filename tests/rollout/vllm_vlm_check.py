@@ -6,6 +6,7 @@ tower. Prints one JSON line of measurements (max abs logprob differences); the t
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from types import SimpleNamespace
@@ -98,13 +99,14 @@ def main() -> None:
     result["sampled_diff"] = reference_max_diff(model, rows, sampled, 2)
     before = greedy.batch["rollout_log_probs"][:, 0].clone()
 
+    old_model = copy.deepcopy(model)
     perturb_vision(model, seed=1)
     rollout.load_weights(model.state_dict().items())
     reloaded = rollout.generate_sequences(left_padded(rows, images, tok.pad_token_id, {}))
     result["reload_diff"] = reference_max_diff(model, rows, reloaded, 1)
-    change = (reloaded.batch["rollout_log_probs"][:, 0] - before).abs()
-    result["reload_change_image_rows"] = float(change[:2].max())
-    result["reload_change_text_row"] = float(change[2])
+    # how far the same sequences' logprobs are under the old weights: the reload must have moved them
+    result["reload_distance_from_old_weights"] = reference_max_diff(old_model, rows, reloaded, 1)
+    result["reload_change_text_row_first_token"] = float((reloaded.batch["rollout_log_probs"][2, 0] - before[2]).abs())
 
     # the same reload without the encoder-cache reset: the cached image embeddings of the old tower are reused
     perturb_vision(model, seed=2)

@@ -14,6 +14,14 @@ added tokens) and a chat template that renders ``tools=`` and ``tool`` messages,
 the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the two stages in
 ``scripts/build_tiny_tool.py``'s docstring.
 
+``tiny-vlm``: a 0.85M-parameter Qwen2.5-VL-architecture model (a one-block vision tower of width 64 with 14-pixel
+patches and 2 x 2 merge, 0.22M parameters; a 3-layer text model of hidden 128 with heads of dim 32) with a byte-level
+BPE tokenizer carrying Qwen's vision tokens, SFT-trained on the circle-counting task (``hybridflow.data.vlm_task``)
+to answer the right count about 40% of the time when sampled and one too many otherwise: the starting point of
+``recipes/vlm_grpo_quickstart.yaml``. Its directory holds the image processor (``preprocessor_config.json``) and
+the tokenizer separately (load both with ``hybridflow.models.vlm_build.load_vlm_processor``). Rebuild it with
+``python scripts/build_tiny_vlm.py --out hybridflow/assets/tiny-vlm``.
+
 A Hugging Face hub id (``Qwen/Qwen2.5-0.5B-Instruct``: ``org/name`` that is no local path) resolves to its snapshot
 in the Hugging Face cache (:func:`resolve_hub_id`), downloaded when missing unless ``HF_HUB_OFFLINE`` is set.
 """
@@ -30,7 +38,8 @@ from hybridflow.errors import UserError
 
 BUILTIN_PREFIX = "builtin:"
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
-BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool")}
+BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool"),
+                                  "tiny-vlm": str(_ASSETS / "tiny-vlm")}
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # files no transformers loader reads: the original (non-HF) checkpoints some repositories carry next to the HF ones
 HUB_IGNORE_PATTERNS = ("original/*", "*.pth")
