@@ -309,8 +309,8 @@ class VLLMRollout(BaseRollout):
         def longest() -> int:
             import transformers  # here: importing the rollout registry stays light
 
-            return max_model_len or transformers.AutoConfig.from_pretrained(
-                path, trust_remote_code=trust_remote_code).max_position_embeddings
+            return max_model_len or transformers.AutoConfig.from_pretrained(  # a VLM's limit is its text model's
+                path, trust_remote_code=trust_remote_code).get_text_config().max_position_embeddings
 
         # the actor_rollout_ref.rollout keys of VLLMEngineConfig (vllm_config.py), with the platform's defaults
         kwargs = engine_kwargs(self.config, current_platform.is_cpu(), longest)

@@ -17,7 +17,7 @@ the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the
 ``tiny-vlm``: a 0.85M-parameter Qwen2.5-VL-architecture model (a one-block vision tower of width 64 with 14-pixel
 patches and 2 x 2 merge, 0.22M parameters; a 3-layer text model of hidden 128 with heads of dim 32) with a byte-level
 BPE tokenizer carrying Qwen's vision tokens, SFT-trained on the circle-counting task (``hybridflow.data.vlm_task``)
-to answer the right count about 40% of the time when sampled and one too many otherwise: the starting point of
+to answer the right count about a third of the time when sampled and mostly one too many otherwise: the starting point of
 ``recipes/vlm_grpo_quickstart.yaml``. Its directory holds the image processor (``preprocessor_config.json``) and
 the tokenizer separately (load both with ``hybridflow.models.vlm_build.load_vlm_processor``). Rebuild it with
 ``python scripts/build_tiny_vlm.py --out hybridflow/assets/tiny-vlm``.
