@@ -140,7 +140,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     from hybridflow.data.preprocess import DATASETS
 
     parser.add_argument("dataset", choices=sorted(DATASETS),
-                        help="gsm8k: jsonl rows with question/answer ('#### N'); math: problem/solution (\\boxed{})")
+                        help="gsm8k: jsonl rows with question/answer ('#### N'); math: problem/solution (\\boxed{}); "
+                             "geometry3k: parquet rows with images/problem/answer (hiyouga/geometry3k)")
     parser.add_argument("--input", required=True, metavar="FILE",
                         help="original file: .jsonl, .json (list) or .parquet")
     parser.add_argument("--output", required=True, metavar="DIR", help="writes DIR/<split>.parquet (verl schema)")

@@ -177,6 +177,21 @@ def _run_cli(command: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 
+def _write_geometry3k(path: Path) -> None:
+    """One hand-made row in the hiyouga/geometry3k layout (a 4 x 4 PNG, a problem with its placeholder, an answer)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4), (0, 0, 0)).save(png, format="PNG")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([{"images": [{"bytes": png.getvalue(), "path": None}],
+                                          "problem": "<image>Find x.", "answer": "2"}]), path)
+
+
 def test_cheap_commands_shown_in_the_pages_run(tmp_path: Path) -> None:
     commands = cheap_commands()
     assert any(c.startswith("hybridflow data gsm8k") for c in commands), commands
@@ -185,6 +200,7 @@ def test_cheap_commands_shown_in_the_pages_run(tmp_path: Path) -> None:
                        ("MATH/test.jsonl", MATH_ROWS)):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text("\n".join(rows) + "\n")
+    _write_geometry3k(tmp_path / "geometry3k" / "train.parquet")
     for command in commands:
         result = _run_cli(command, tmp_path)
         assert result.returncode == 0, f"{command}\n{result.stdout}{result.stderr}"

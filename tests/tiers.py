@@ -70,6 +70,8 @@ TIERS: dict[str, str] = {
     "rollout/test_multi_turn_vllm.py": "dist",
     "rollout/test_vllm_moe.py": "dist",
     "rollout/test_vllm_rollout.py": "dist",
+    "rollout/test_vllm_vlm.py::test_image_prompt_logprobs_equal_the_hf_forward": "dist",
+    "rollout/test_vllm_vlm.py::test_reload_changes_image_prompt_logprobs_exactly_as_hf_weights_do": "dist",
     "rollout/test_vllm_rollout.py::test_quickstart_with_vllm_rollout_through_ray": "e2e",
     "test_cli.py::test_config_error_does_not_import_ray": "dist",
     "test_docs.py": "dist",

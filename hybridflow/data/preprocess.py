@@ -6,6 +6,11 @@
 * MATH (Hendrycks et al. 2021): rows with ``problem`` and ``solution``; the final answer is the argument of the
   solution's last ``\\boxed{...}`` (nested braces allowed). Written with
   ``data_source="DigitalLearningGmbH/MATH-lighteval"`` (verl's name); ground truth the bare LaTeX answer.
+* Geometry3K (Lu et al. 2021, Inter-GPS), in the ``hiyouga/geometry3k`` layout: rows with ``images`` (a list of
+  ``{"bytes": ...}`` / ``{"path": ...}``, the HF datasets Image feature), ``problem`` (text with one ``<image>``
+  placeholder per image) and ``answer``. Written with ``data_source="hiyouga/geometry3k"`` (scored by the MATH
+  reward, the last ``\\boxed{}``), the images column kept as given (image paths made absolute against the input
+  file's folder), the prompt ``problem + " " + GEOMETRY3K_INSTRUCTION``; every image must be readable (PIL).
 
 Input files: ``.jsonl`` (one JSON object per line; blank lines are ignored), ``.json`` (a list of objects) or
 ``.parquet``. Output: ``OUT_DIR/<split>.parquet`` with one row per input row::
@@ -16,7 +21,7 @@ Input files: ``.jsonl`` (one JSON object per line; blank lines are ignored), ``.
      "reward_model": {"style": "rule", "ground_truth": "72"},
      "extra_info": {"split": "train", "index": 0, "answer": <original answer>, "question": <original question>}}
 
-(MATH rows carry ``solution`` instead of ``answer`` in ``extra_info``.) ``index`` is the row's 0-based position
+(MATH rows carry ``solution`` instead of ``answer`` in ``extra_info``; Geometry3K rows add ``images``.) ``index`` is the row's 0-based position
 in the input file, so a row can be traced back even when malformed rows were skipped.
 
 A malformed row (bad JSON, not an object, a missing or empty field, no final answer) raises
@@ -27,6 +32,8 @@ otherwise); with ``skip_bad=True`` it is skipped, logged and counted instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import io
 import json
 import logging
 import os
@@ -44,13 +51,16 @@ logger = logging.getLogger(__name__)
 
 GSM8K_DATA_SOURCE = "openai/gsm8k"
 MATH_DATA_SOURCE = "DigitalLearningGmbH/MATH-lighteval"
+GEOMETRY3K_DATA_SOURCE = "hiyouga/geometry3k"
+GEOMETRY3K_INSTRUCTION = "Think step by step and put the final answer within \\boxed{}."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 INPUT_FORMATS = (".jsonl", ".json", ".parquet")
 
 __all__ = [
-    "GSM8K_DATA_SOURCE", "MATH_DATA_SOURCE", "GSM8K_INSTRUCTION", "MATH_INSTRUCTION", "INPUT_FORMATS",
-    "MalformedRowError", "PreprocessResult", "read_records", "gsm8k_row", "math_row", "convert", "DATASETS",
+    "GSM8K_DATA_SOURCE", "MATH_DATA_SOURCE", "GEOMETRY3K_DATA_SOURCE", "GSM8K_INSTRUCTION", "MATH_INSTRUCTION",
+    "GEOMETRY3K_INSTRUCTION", "INPUT_FORMATS", "MalformedRowError", "PreprocessResult", "read_records", "gsm8k_row",
+    "math_row", "geometry3k_row", "convert", "DATASETS",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -161,14 +171,68 @@ def math_row(record: Any, split: str, index: int) -> dict:
                 {"solution": solution, "question": problem})
 
 
-DATASETS: dict[str, Callable[[Any, str, int], dict]] = {"gsm8k": gsm8k_row, "math": math_row}
+def _checked_images(images: Any, base_dir: str) -> list[dict]:
+    """``images`` as ``[{"bytes": b} or {"path": absolute path}]``, each opened and verified with PIL.
+
+    Raises:
+        MalformedRowError: not a non-empty list of such entries, empty bytes, a missing file, or an unreadable
+            image (the message names the entry).
+    """
+    from PIL import Image
+
+    if not isinstance(images, list) or not images:
+        raise MalformedRowError(f"field 'images' must be a non-empty list of {{bytes}}/{{path}} entries, got "
+                                f"{type(images).__name__} {str(images)[:40]!r}")
+    checked = []
+    for k, entry in enumerate(images):
+        data = entry.get("bytes") if isinstance(entry, dict) else None
+        path = entry.get("path") if isinstance(entry, dict) else None
+        if data is None and path:
+            path = path if os.path.isabs(path) else os.path.join(base_dir, path)
+            if not os.path.isfile(path):
+                raise MalformedRowError(f"images[{k}]: no such file {path!r}")
+        elif not data:
+            raise MalformedRowError(f"images[{k}] has neither image bytes nor a path ({str(entry)[:40]!r})")
+        try:
+            with Image.open(io.BytesIO(data) if data else path) as image:
+                image.verify()
+        except Exception as exc:  # PIL raises many types for a bad file
+            raise MalformedRowError(f"images[{k}] is not a readable image ({type(exc).__name__}: {exc})") from None
+        checked.append({"bytes": bytes(data)} if data else {"path": path})
+    return checked
 
 
-def _schema(extra_info_keys: list[str]) -> pa.Schema:
-    """The output schema; ``extra_info`` holds ``index`` (int64) and text fields under ``extra_info_keys``."""
+def geometry3k_row(record: Any, split: str, index: int, base_dir: str = ".") -> dict:
+    """One Geometry3K record (``images``, ``problem`` with ``<image>`` placeholders, ``answer``) -> a row in verl's
+    multimodal schema; relative image paths are taken against ``base_dir``.
+
+    Raises:
+        MalformedRowError: a missing/empty field, a bad image (:func:`_checked_images`), or a number of
+            ``<image>`` placeholders other than the number of images.
+    """
+    problem, answer = _text_fields(record, ("problem", "answer"))
+    images = _checked_images(record.get("images"), base_dir)
+    if problem.count("<image>") != len(images):
+        raise MalformedRowError(f"problem has {problem.count('<image>')} '<image>' placeholders for "
+                                f"{len(images)} images")
+    row = _row(GEOMETRY3K_DATA_SOURCE, f"{problem} {GEOMETRY3K_INSTRUCTION}", answer.strip(), split, index,
+               {"answer": answer, "question": problem})
+    row["ability"] = "geometry"
+    row["images"] = images
+    return row
+
+
+DATASETS: dict[str, Callable[..., dict]] = {"gsm8k": gsm8k_row, "math": math_row, "geometry3k": geometry3k_row}
+_WITH_BASE_DIR = ("geometry3k",)  # row makers that resolve relative image paths against the input's folder
+
+
+def _schema(extra_info_keys: list[str], images: bool = False) -> pa.Schema:
+    """The output schema; ``extra_info`` holds ``index`` (int64) and text fields under ``extra_info_keys``;
+    ``images``: an ``images`` column, a list of ``{bytes: binary, path: string}`` per row (HF's Image layout)."""
     text = pa.string()
     extra = [(key, pa.int64() if key == "index" else text) for key in extra_info_keys]
-    return pa.schema([
+    image_column = [("images", pa.list_(pa.struct([("bytes", pa.binary()), ("path", text)])))] if images else []
+    return pa.schema([*image_column,
         ("data_source", text),
         ("prompt", pa.list_(pa.struct([("role", text), ("content", text)]))),
         ("ability", text),
@@ -184,7 +248,7 @@ def convert(
     split: Optional[str] = None,
     skip_bad: bool = False,
 ) -> PreprocessResult:
-    """Convert one input file of ``dataset`` (``"gsm8k"`` or ``"math"``) to ``output_dir/<split>.parquet``.
+    """Convert one input file of ``dataset`` (``"gsm8k"``, ``"math"`` or ``"geometry3k"``) to ``output_dir/<split>.parquet``.
 
     Args:
         split: the split name written to ``extra_info.split`` and used as the file name; default: the input's
@@ -199,8 +263,10 @@ def convert(
     """
     if dataset not in DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; known datasets: {sorted(DATASETS)}")
-    make_row = DATASETS[dataset]
     input_path = os.fspath(input_path)
+    make_row = DATASETS[dataset]
+    if dataset in _WITH_BASE_DIR:
+        make_row = functools.partial(make_row, base_dir=os.path.dirname(os.path.abspath(input_path)))
     split = split or Path(input_path).name.split(".")[0]
     if not split or os.sep in split or split in (".", ".."):
         raise ValueError(f"split must be a plain file name (it names the output parquet), got {split!r}")
@@ -220,6 +286,7 @@ def convert(
         raise ValueError(f"{input_path}: no {dataset} rows converted ({skipped} malformed rows skipped)")
     os.makedirs(output_dir, exist_ok=True)
     output = os.path.join(os.fspath(output_dir), f"{split}.parquet")
-    pq.write_table(pa.Table.from_pylist(rows, schema=_schema(list(rows[0]["extra_info"]))), output)
+    schema = _schema(list(rows[0]["extra_info"]), images="images" in rows[0])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), output)
     logger.info("wrote %d %s rows to %s (%d malformed rows skipped)", len(rows), dataset, output, skipped)
     return PreprocessResult(output=output, num_rows=len(rows), num_skipped=skipped)

@@ -3,8 +3,9 @@
 ``register_reward(*data_sources)`` registers a scorer with verl's reward signature ``fn(data_source,
 solution_str, ground_truth, extra_info=None) -> float`` (:mod:`hybridflow.rewards.signature`; the same as a
 ``reward_model.compute_score`` function) for one or more data sources; ``default_compute_score`` dispatches to it
-(verl's name and argument order). Built in: ``"openai/gsm8k"`` and ``"hybridflow/arith"`` -> GSM8K strict;
-``MATH_DATA_SOURCES`` -> the MATH reward (last ``\\boxed{}``, equivalence through ``math-verify``).
+(verl's name and argument order). Built in: ``"openai/gsm8k"``, ``"hybridflow/arith"`` and
+``"hybridflow/vlm_count"`` -> GSM8K strict; ``MATH_DATA_SOURCES`` and ``"hiyouga/geometry3k"`` -> the MATH reward
+(last ``\\boxed{}``, equivalence through ``math-verify``).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def _boxed_answer(solution_str: str) -> Optional[str]:
     return None if answer is None else "".join(answer.split())
 
 
-@register_reward("openai/gsm8k", "hybridflow/arith", extract_answer=_number_answer)
+@register_reward("openai/gsm8k", "hybridflow/arith", "hybridflow/vlm_count", extract_answer=_number_answer)
 def _gsm8k_strict(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return gsm8k.compute_score(solution_str, ground_truth, method="strict")
 
@@ -194,7 +195,8 @@ def _tool_arith(data_source: str, solution_str: str, ground_truth: str, extra_in
     return tool_arith.compute_score(solution_str, ground_truth, extra_info)
 
 
-@register_reward(*MATH_DATA_SOURCES, extract_answer=_boxed_answer, self_timed=True)  # PARSE_TIMEOUT_S per parse
+# self_timed: PARSE_TIMEOUT_S per parse
+@register_reward(*MATH_DATA_SOURCES, "hiyouga/geometry3k", extract_answer=_boxed_answer, self_timed=True)
 def _math_equiv(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
     return math.compute_score(solution_str, ground_truth)
 

@@ -12,7 +12,8 @@ consecutive ranks is one engine, and those ranks must be given the same prompts.
 benchmarks) the engine starts its own one-process world. One engine per process.
 
 Sampling matches the ``hf`` backend: prompts are passed as token ids with the left padding stripped (never
-re-tokenized); ``logprobs_mode="processed_logprobs"`` makes vLLM return the logprob of each sampled token under
+re-tokenized; image rows with their ``multi_modal_data`` images, :mod:`hybridflow.rollout.vllm_multimodal`);
+``logprobs_mode="processed_logprobs"`` makes vLLM return the logprob of each sampled token under
 the distribution it was drawn from (temperature, top-k, top-p applied and renormalized; greedy: plain
 log_softmax), which is what the trainer recomputes (the contract in :mod:`hybridflow.rollout.base`); every
 eos id stops a row (vLLM's own eos handling is off, so the stop set is exactly ours).
@@ -54,6 +55,9 @@ from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_ro
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
 from hybridflow.rollout.vllm_config import VLLMEngineConfig, engine_kwargs, vllm_config_problems
 from hybridflow.rollout.vllm_lora import VLLMAdapter, engine_lora_kwargs
+from hybridflow.rollout.vllm_multimodal import (MROPE_KEY, check_expansion, engine_multimodal_kwargs,
+                                                extend_mrope_positions, has_images, image_requests, image_token_id,
+                                                reset_encoder_cache)
 
 logger = logging.getLogger(__name__)
 
@@ -283,6 +287,7 @@ class VLLMRollout(BaseRollout):
         self._adapter = VLLMAdapter(lora_rank, float(getattr(config, "lora_alpha", 16.0))) if lora_rank > 0 else None
         self.llm = self._build_engine(resolve_model_path(model_path), dtype, trust_remote_code, max_model_len)
         self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
+        self._image_token = image_token_id(self.llm)  # None: a text-only model
 
     @classmethod
     def from_config(cls, model_path: str, module: Optional[torch.nn.Module], config: Any,
@@ -311,8 +316,8 @@ class VLLMRollout(BaseRollout):
         def longest() -> int:
             import transformers  # here: importing the rollout registry stays light
 
-            return max_model_len or transformers.AutoConfig.from_pretrained(
-                path, trust_remote_code=trust_remote_code).max_position_embeddings
+            return max_model_len or transformers.AutoConfig.from_pretrained(  # a VLM's limit is its text model's
+                path, trust_remote_code=trust_remote_code).get_text_config().max_position_embeddings
 
         # the actor_rollout_ref.rollout keys of VLLMEngineConfig (vllm_config.py), with the platform's defaults
         kwargs = engine_kwargs(self.config, current_platform.is_cpu(), longest)
@@ -324,6 +329,7 @@ class VLLMRollout(BaseRollout):
             seed=int(getattr(self.config, "seed", 0)), logprobs_mode="processed_logprobs",
             worker_extension_cls=_EXTENSION, disable_log_stats=True,
         )
+        kwargs.update(engine_multimodal_kwargs(path))  # a VLM: its tokenizer, images only
         if joins_world:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self._adapter is not None:
@@ -360,7 +366,6 @@ class VLLMRollout(BaseRollout):
                 from 0, or invalid sampling parameters.
         """
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._check_ready()
         params = resolve_sampling_params(self.config, prompts.meta_info)
@@ -382,10 +387,13 @@ class VLLMRollout(BaseRollout):
             )
             for seed in seeds
         ]
-        requests = [TokensPrompt(prompt_token_ids=ids) for ids in token_lists for _ in range(n)]
+        # image rows: one placeholder per image + the images (vllm_multimodal.py); text rows: plain token prompts
+        requests = image_requests(token_lists, n, prompts.non_tensor_batch, self._image_token)
         start = time.perf_counter()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request())
         seconds = time.perf_counter() - start
+        if has_images(prompts.non_tensor_batch):
+            check_expansion(outputs, token_lists, n)
 
         rows = len(requests)
         responses = torch.full((rows, length), self.pad_token_id, dtype=torch.long)
@@ -408,6 +416,8 @@ class VLLMRollout(BaseRollout):
             )
         out = build_rollout_output(input_ids, attention_mask, position_ids, responses.to(device),
                                    response_mask.to(device), log_probs.to(device), seconds, eos_ids)
+        if MROPE_KEY in prompts.batch.keys():
+            out.batch[MROPE_KEY] = extend_mrope_positions(prompts.batch[MROPE_KEY], n, length)
         logger.debug("vllm rollout: %d rows, %d tokens in %.3fs", rows, out.meta_info["num_generated_tokens"], seconds)
         return out
 
@@ -416,8 +426,9 @@ class VLLMRollout(BaseRollout):
         """Push ``(name, tensor)`` pairs (Hugging Face names) into the running engine, in place.
 
         Tensors are grouped into buckets of ``weight_bucket_bytes`` and sent with ``collective_rpc`` (in the
-        same process: by reference); the engine casts, fuses and shards them, and its prefix cache is reset,
-        so no KV computed under the old weights is reused. A weight for either name of tied parameters
+        same process: by reference); the engine casts, fuses and shards them, and its prefix cache and its
+        vision-encoder cache are reset, so no KV or image embedding computed under the old weights is reused
+        (a VLM's vision tower is synced like any other weight). A weight for either name of tied parameters
         (``lm_head.weight``, ``model.embed_tokens.weight``) updates the shared tensor. Each call is one update:
         a layer whose tensors are only partly given in a call ends up partly uninitialized, so give each layer
         whole (a full state dict, or whole layers).
@@ -441,6 +452,7 @@ class VLLMRollout(BaseRollout):
                 weights = [(n, t) for n, t in weights if not (".lora_A." in n or ".lora_B." in n)]
                 if not weights:
                     self.llm.reset_prefix_cache()
+                    reset_encoder_cache(self.llm)
                     return
         rpc = self.llm.collective_rpc
         start, sent = time.perf_counter(), 0
@@ -454,6 +466,7 @@ class VLLMRollout(BaseRollout):
         finally:
             rpc("hybridflow_finish_weight_update")
         self.llm.reset_prefix_cache()
+        reset_encoder_cache(self.llm)  # cached vision-encoder outputs were computed with the old weights
         self._awaiting_weights -= loaded
         logger.debug("vllm load_weights: %d tensors in %.3fs", sent, time.perf_counter() - start)
 
@@ -471,7 +484,6 @@ class VLLMRollout(BaseRollout):
             trainer's :func:`hybridflow.models.lora.greedy_logprobs` on the same ids is the reference.
         """
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         self._check_ready()
         ids = list(ids)[: self.llm.llm_engine.vllm_config.model_config.max_model_len - 1]

@@ -146,7 +146,7 @@ def test_gsm8k_skip_bad_counts_and_keeps_indices(tmp_path):
 def test_all_rows_bad_or_unknown_inputs(tmp_path):
     with pytest.raises(ValueError, match="no gsm8k rows converted \\(1 malformed rows skipped\\)"):
         convert("gsm8k", write_jsonl(tmp_path / "a.jsonl", ["{bad"]), tmp_path, skip_bad=True)
-    with pytest.raises(ValueError, match="unknown dataset 'aime'; known datasets: \\['gsm8k', 'math'\\]"):
+    with pytest.raises(ValueError, match="unknown dataset 'aime'; known datasets: \\['geometry3k', 'gsm8k', 'math'\\]"):
         convert("aime", tmp_path / "a.jsonl", tmp_path)
     (tmp_path / "a.csv").write_text("question,answer\n")
     with pytest.raises(ValueError, match="unsupported input format '.csv'"):

@@ -95,7 +95,7 @@ def test_reward_scores_the_final_answer(response, score):
 
 def test_builtin_task_names():
     assert is_builtin_task("builtin:tool-arith") and not is_builtin_task("data/train.parquet")
-    assert BUILTIN_TASKS.names() == ["arith", "tool-arith"]
+    assert BUILTIN_TASKS.names() == ["arith", "tool-arith", "vlm-count"]
     assert BUILTIN_TASKS.meta("tool-arith", "data_source") == DATA_SOURCE
     assert builtin_task_rows("builtin:tool-arith", "val", 4, 7) == make_tool_rows("val", 4, 7)
     with pytest.raises(UnknownNameError, match="did you mean 'tool-arith'"):

@@ -19,6 +19,14 @@ the starting point of ``recipes/tool_grpo_quickstart.yaml``. Rebuild it with the
 starting point of ``recipes/moe_grpo_quickstart.yaml``. Rebuild it with
 ``python scripts/build_tiny_moe.py --out hybridflow/assets/tiny-moe``.
 
+``tiny-vlm``: a 0.85M-parameter Qwen2.5-VL-architecture model (a one-block vision tower of width 64 with 14-pixel
+patches and 2 x 2 merge, 0.22M parameters; a 3-layer text model of hidden 128 with heads of dim 32) with a byte-level
+BPE tokenizer carrying Qwen's vision tokens, SFT-trained on the circle-counting task (``hybridflow.data.vlm_task``)
+to answer the right count about a third of the time when sampled and mostly one too many otherwise: the starting point of
+``recipes/vlm_grpo_quickstart.yaml``. Its directory holds the image processor (``preprocessor_config.json``) and
+the tokenizer separately (load both with ``hybridflow.models.vlm_build.load_vlm_processor``). Rebuild it with
+``python scripts/build_tiny_vlm.py --out hybridflow/assets/tiny-vlm``.
+
 A Hugging Face hub id (``Qwen/Qwen2.5-0.5B-Instruct``: ``org/name`` that is no local path) resolves to its snapshot
 in the Hugging Face cache (:func:`resolve_hub_id`), downloaded when missing unless ``HF_HUB_OFFLINE`` is set.
 """
@@ -36,7 +44,8 @@ from hybridflow.errors import UserError
 BUILTIN_PREFIX = "builtin:"
 _ASSETS = Path(__file__).resolve().parents[2] / "assets"
 BUILTIN_MODELS: dict[str, str] = {"tiny-arith": str(_ASSETS / "tiny-arith"), "tiny-tool": str(_ASSETS / "tiny-tool"),
-                                  "tiny-moe": str(_ASSETS / "tiny-moe")}  # tiny-moe: scripts/build_tiny_moe.py
+                                  "tiny-moe": str(_ASSETS / "tiny-moe"),  # scripts/build_tiny_moe.py
+                                  "tiny-vlm": str(_ASSETS / "tiny-vlm")}  # scripts/build_tiny_vlm.py
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 # files no transformers loader reads: the original (non-HF) checkpoints some repositories carry next to the HF ones
 HUB_IGNORE_PATTERNS = ("original/*", "*.pth")

@@ -1,0 +1,135 @@
+"""Image prompts for the ``vllm`` rollout backend (Qwen2-VL / Qwen2.5-VL family), used by
+:class:`hybridflow.rollout.vllm_rollout.VLLMRollout`.
+
+Input (the data layer's contract): a prompt row's ``input_ids`` already hold each image's placeholder expanded to
+its image tokens (``<|image_pad|>`` repeated ``t*h*w / merge**2`` times), and the non-tensor column
+``multi_modal_data`` holds per row ``{"image": [PIL.Image, ...]}``: the images at the size the processor saw.
+
+* :func:`image_requests`: vLLM takes a token prompt with *one* ``<|image_pad|>`` per image plus the images in
+  ``multi_modal_data`` and expands each placeholder itself, so every run of image tokens is collapsed to one token
+  (a run per image, in order; the row's image count must match).
+* :func:`check_expansion`: after generation, each request's prompt as vLLM expanded it must equal the trainer's
+  row token for token, otherwise the engine saw other image sizes than the trainer (a different resize) and its
+  logprobs belong to another prompt: :class:`ImagePromptMismatchError`, never a silent mismatch.
+* :func:`reset_encoder_cache`: vLLM caches the vision encoder's outputs per image; after an in-place weight load
+  they are stale (they were computed with the old vision tower) and, reused, shift the logprobs silently (about
+  0.09 on the tiny model), so every weight load resets this cache as well as the prefix cache.
+* :func:`extend_mrope_positions`: the carried 3-D rope positions ``mrope_position_ids`` (B, 3, P) extended over
+  the response (response tokens are text: each axis continues from the row's last prompt position, +1 per slot).
+
+Shapes: B prompts, n samples per prompt, N = B*n rows, P prompt tokens, R response slots.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import torch
+
+from hybridflow.errors import UserError
+
+DATA_KEY = "multi_modal_data"  # non-tensor column: per row {"image": [PIL.Image, ...]}
+MROPE_KEY = "mrope_position_ids"  # tensor (B, 3, P) long: carried 3-D rope positions
+
+
+class ImagePromptMismatchError(UserError, ValueError):
+    """An image prompt whose image tokens do not match its images (count or expanded length)."""
+
+
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def engine_multimodal_kwargs(model_path: str) -> dict:
+    """Engine arguments a vision-language checkpoint at ``model_path`` needs (``{}`` for any other): its tokenizer
+    (vLLM's multimodal processor cannot work without one, so ``skip_tokenizer_init`` is off) and no video
+    inputs (``limit_mm_per_prompt``: the rollout sends images only, so no video memory is profiled)."""
+    config = os.path.join(model_path, "config.json")
+    if not os.path.isfile(config):
+        return {}
+    with open(config) as f:
+        if json.load(f).get("model_type") not in VISION_MODEL_TYPES:
+            return {}
+    return {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"video": 0}}
+
+
+def image_token_id(llm: Any) -> Optional[int]:
+    """The engine model's image placeholder id (``hf_config.image_token_id``), None for a text-only model."""
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    value = getattr(config, "image_token_id", None)
+    return None if value is None else int(value)
+
+
+def _collapse_runs(ids: Sequence[int], token: int) -> tuple[list[int], int]:
+    """``ids`` with each run of ``token`` replaced by one ``token``, and the number of runs."""
+    out: list[int] = []
+    runs = 0
+    for i, t in enumerate(ids):
+        if t == token and i > 0 and ids[i - 1] == token:
+            continue
+        runs += t == token
+        out.append(t)
+    return out, runs
+
+
+def image_requests(token_lists: list[list[int]], n: int, non_tensor: dict, image_token: Optional[int]) -> list:
+    """vLLM token prompts, ``n`` per row of ``token_lists`` (the unpadded prompt ids), with the row's images.
+
+    Rows without ``multi_modal_data`` (or with no image) are plain token prompts.
+
+    Raises:
+        ImagePromptMismatchError: a row with images whose ids hold another number of image-token runs, or images
+            given to an engine whose model takes none.
+    """
+    from vllm.inputs import TokensPrompt
+
+    column = non_tensor.get(DATA_KEY)
+    requests = []
+    for row, ids in enumerate(token_lists):
+        images = list((column[row] or {}).get("image", [])) if column is not None else []
+        if not images:
+            requests.extend(TokensPrompt(prompt_token_ids=ids) for _ in range(n))
+            continue
+        if image_token is None:
+            raise ImagePromptMismatchError(f"prompt row {row} has {len(images)} images but the vllm engine's model "
+                                           "is not a vision-language model")
+        short, runs = _collapse_runs(ids, image_token)
+        if runs != len(images):
+            raise ImagePromptMismatchError(f"prompt row {row} has {len(images)} images but {runs} runs of image "
+                                           f"tokens (id {image_token}) in its input_ids")
+        requests.extend(TokensPrompt(prompt_token_ids=short, multi_modal_data={"image": images}) for _ in range(n))
+    return requests
+
+
+def check_expansion(outputs: Sequence[Any], token_lists: list[list[int]], n: int) -> None:
+    """Raise :class:`ImagePromptMismatchError` when vLLM's expanded prompt of a request differs from the trainer's
+    ids of its row (request ``i`` is row ``i // n``)."""
+    for i, output in enumerate(outputs):
+        expected = token_lists[i // n]
+        got = list(output.prompt_token_ids)
+        if got != expected:
+            raise ImagePromptMismatchError(
+                f"prompt row {i // n}: vLLM expanded its image tokens to {len(got)} prompt tokens, the trainer has "
+                f"{len(expected)}: the engine's image processor resized the image differently; pass the images "
+                "at the processed size (multi_modal_data)")
+
+
+def reset_encoder_cache(llm: Any) -> None:
+    """Drop vLLM's cached vision-encoder outputs (stale after a weight load; see the module docstring)."""
+    llm.llm_engine.reset_encoder_cache()
+
+
+def extend_mrope_positions(prompt_mrope: torch.Tensor, n: int, response_length: int) -> torch.Tensor:
+    """``prompt_mrope`` (B, 3, P) long, repeated ``n`` times per row (interleaved) and extended over
+    ``response_length`` slots: (N, 3, P+R), slot ``j`` at the last prompt column's position + ``j + 1`` on
+    every axis (left padding: the last column is a real token)."""
+    mrope = prompt_mrope.repeat_interleave(n, dim=0) if n > 1 else prompt_mrope
+    steps = torch.arange(1, response_length + 1, device=mrope.device, dtype=mrope.dtype)
+    return torch.cat([mrope, mrope[:, :, -1:] + steps], dim=-1)
+
+
+def has_images(non_tensor: dict) -> bool:
+    """Whether a batch's non-tensor columns carry images for any row."""
+    column = non_tensor.get(DATA_KEY)
+    return column is not None and any((row or {}).get("image") for row in column)
