@@ -123,6 +123,7 @@ TIERS: dict[str, str] = {
     "training/test_replicated_engine.py": "dist",
     "training/test_replicated_engine.py::test_autocast_computes_in_bf16_over_fp32_weights": "unit",
     "training/test_shared_prompt.py::test_actor_and_critic_equal_the_padded_path_on_two_ranks": "dist",
+    "training/test_vlm_training.py::test_image_less_rank_fsdp2_two_ranks_equal_one_process": "dist",
     "utils/test_allocator.py": "dist",
     "utils/test_trackers.py::test_swanlab_offline_run_holds_the_jsonl_scalars_and_the_config": "dist",
     "utils/test_trackers.py::test_train_two_steps_every_tracker_reads_back_metrics_jsonl": "e2e",

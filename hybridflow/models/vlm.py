@@ -49,8 +49,15 @@ def is_vision_config(config: Any) -> bool:
 
 
 def is_vision_model_dir(path: str) -> bool:
-    """Whether the model directory ``path`` holds a supported VLM (its ``config.json`` ``model_type``)."""
-    config = os.path.join(str(path), "config.json")
+    """Whether the model at ``path`` (a directory, ``builtin:NAME`` or a hub id) is a supported VLM (its
+    ``config.json`` ``model_type``); False for a path that does not resolve to a directory."""
+    from hybridflow.models.builtin import resolve_model_path
+
+    try:
+        path = resolve_model_path(str(path))
+    except (ValueError, FileNotFoundError):
+        return False
+    config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return False
     with open(config) as f:
@@ -62,6 +69,25 @@ def refuse_megatron(path: str, strategy: str, role: str) -> None:
     if strategy == "megatron" and is_vision_model_dir(path):
         raise VisionModelError(f"{role}: {path} is a vision-language model; strategy megatron does not support VLMs "
                                "(use strategy=fsdp2)")
+
+
+def load_vision_model(path: str, dtype: torch.dtype, value_head: bool = False,
+                      trust_remote_code: bool = False) -> torch.nn.Module:
+    """A VLM (``AutoModelForImageTextToText``) from a local directory, in ``dtype``, on CPU. ``value_head``: the
+    output head replaced by a fresh scalar head (N(0, initializer_range) weights, no bias; untied from the
+    embeddings), so ``logits`` are (B, L, 1): the critic."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    if value_head:
+        text = model.config.get_text_config()
+        head = torch.nn.Linear(text.hidden_size, 1, bias=False, dtype=dtype)
+        torch.nn.init.normal_(head.weight, std=getattr(text, "initializer_range", 0.02))
+        model.lm_head = head
+        model.config.tie_word_embeddings = False
+        text.tie_word_embeddings = False
+        model._tied_weights_keys = {}  # noqa: SLF001 (transformers would re-tie the scalar head to the embeddings)
+    return model
 
 
 @dataclass
