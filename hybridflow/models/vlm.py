@@ -87,7 +87,33 @@ def load_vision_model(path: str, dtype: torch.dtype, value_head: bool = False,
         model.config.tie_word_embeddings = False
         text.tie_word_embeddings = False
         model._tied_weights_keys = {}  # noqa: SLF001 (transformers would re-tie the scalar head to the embeddings)
+    else:
+        ban_vision_tokens(model)
     return model
+
+
+#: the logit given to banned tokens: probability exactly 0 in fp32/bf16 softmax (also after a temperature of 0.01),
+#: while entropy's p * logit stays 0 (a -inf logit would make it NaN)
+BANNED_LOGIT = -1e4
+
+
+def ban_vision_tokens(model: torch.nn.Module) -> list[int]:
+    """Make the policy never emit the vision special tokens (image/video pads, vision start/end): a forward hook
+    on the output head sets their logits to :data:`BANNED_LOGIT`. A generated ``<|image_pad|>`` would be taken as
+    an image placeholder by the next forward (placeholders and image features would no longer match), so the
+    policy is defined without them, in the trainer and in the ``hf`` rollout alike (both load through
+    :func:`load_vision_model`: their logprobs agree). A vLLM rollout must ban the same ids. Returns the ids."""
+    config = model.config
+    ids = sorted({int(getattr(config, key)) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                         "vision_end_token_id") if getattr(config, key, None)
+                  is not None})
+    index = torch.tensor(ids, dtype=torch.long)
+
+    def hook(_module, _inputs, logits):
+        return logits.index_fill(-1, index.to(logits.device), BANNED_LOGIT)
+
+    model.lm_head.register_forward_hook(hook)
+    return ids
 
 
 @dataclass

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import transformers
 
-from hybridflow.models.vlm import IMAGE_PAD, VISION_END, VISION_START, ImageTextProcessor
+from hybridflow.models.vlm import IMAGE_PAD, VISION_END, VISION_START, ImageTextProcessor, ban_vision_tokens
 
 ARITH = os.path.join(os.path.dirname(__file__), "..", "..", "hybridflow", "assets", "tiny-arith")
 
@@ -27,6 +27,7 @@ def tiny_tokenizer():
 
 
 def tiny_image_processor():
+    """PIL Qwen2-VL image processor: 14-pixel patches, 2x2 merge, 28x28 to 112x112 pixels."""
     return transformers.Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=28 * 28 * 16, patch_size=14,
                                                  merge_size=2, temporal_patch_size=2)
 
@@ -49,10 +50,12 @@ def tiny_vlm(seed: int = 0):
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
     model = transformers.Qwen2_5_VLForConditionalGeneration(tiny_vlm_config(tok)).float().eval()
+    ban_vision_tokens(model)  # as load_vision_model does
     return model, ImageTextProcessor(tiny_image_processor(), tok)
 
 
 def save_tiny_vlm(path: str, seed: int = 0) -> str:
+    """Write :func:`tiny_vlm`'s model, tokenizer and image processor to the directory ``path``; returns it."""
     model, processor = tiny_vlm(seed)
     model.save_pretrained(path)
     processor.tokenizer.save_pretrained(path)
