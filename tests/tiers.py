@@ -114,6 +114,7 @@ TIERS: dict[str, str] = {
     "trainer/test_uneven_batches.py::test_train_two_steps_with_n2_and_validate_odd_set": "e2e",
     "trainer/test_unread_in_loop.py::test_fit_stops_after_the_step_whose_unread_update_failed": "e2e",
     "trainer/test_worker_failure.py": "e2e",
+    "trainer/test_vlm_e2e.py": "e2e",
     "training/test_metric_pooling.py": "dist",
     "training/test_bf16_resume.py": "dist",
     "training/test_cpu_attention_dtype.py::test_fsdp2_engine_switches_bf16_models_on_cpu_only": "dist",

@@ -92,6 +92,24 @@ def load_vision_model(path: str, dtype: torch.dtype, value_head: bool = False,
     return model
 
 
+def vision_model_from_config(config: Any, dtype: torch.dtype, tp_size: int = 1) -> torch.nn.Module:
+    """The VLM of ``config`` (the current default device, e.g. ``meta``) with the vision special tokens banned, for
+    the 3D-HybridEngine's generation model; its parameter names are the trainer's, the vision tower's included, so
+    every weight sync covers the tower.
+
+    Raises:
+        VisionModelError: ``tp_size`` > 1 (no tensor-parallel generation plan for VLMs).
+    """
+    from transformers import AutoModelForImageTextToText
+
+    if tp_size > 1:
+        raise VisionModelError(f"rollout.tensor_model_parallel_size={tp_size}: the hf rollout has no tensor-parallel "
+                               "plan for vision-language models; use 1")
+    model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    ban_vision_tokens(model)
+    return model
+
+
 #: the logit given to banned tokens: probability exactly 0 in fp32/bf16 softmax (also after a temperature of 0.01),
 #: while entropy's p * logit stays 0 (a -inf logit would make it NaN)
 BANNED_LOGIT = -1e4
@@ -107,10 +125,8 @@ def ban_vision_tokens(model: torch.nn.Module) -> list[int]:
     ids = sorted({int(getattr(config, key)) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                          "vision_end_token_id") if getattr(config, key, None)
                   is not None})
-    index = torch.tensor(ids, dtype=torch.long)
-
     def hook(_module, _inputs, logits):
-        return logits.index_fill(-1, index.to(logits.device), BANNED_LOGIT)
+        return logits.index_fill(-1, torch.tensor(ids, dtype=torch.long, device=logits.device), BANNED_LOGIT)
 
     model.lm_head.register_forward_hook(hook)
     return ids

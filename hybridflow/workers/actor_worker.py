@@ -304,7 +304,7 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
@@ -312,7 +312,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors=self._old_log_prob(data))
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
@@ -335,7 +335,7 @@ class ActorRolloutRefWorker(Worker):
         return {"ref_log_prob": log_prob}
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.ACTOR_UPDATE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).
