@@ -64,10 +64,11 @@ def is_vision_model_dir(path: str) -> bool:
         return json.load(f).get("model_type") in VISION_MODEL_TYPES
 
 
-def refuse_megatron(path: str, strategy: str, role: str) -> None:
-    """Raises VisionModelError when a VLM at ``path`` would be trained with the megatron strategy."""
-    if strategy == "megatron" and is_vision_model_dir(path):
-        raise VisionModelError(f"{role}: {path} is a vision-language model; strategy megatron does not support VLMs "
+def refuse_vision_model(path: str, engine: str, role: str) -> None:
+    """For an engine without VLM support (``engine`` its name, e.g. megatron): raises VisionModelError, one line,
+    when the model at ``path`` is a VLM."""
+    if is_vision_model_dir(path):
+        raise VisionModelError(f"{role}: {path} is a vision-language model; strategy {engine} does not support VLMs "
                                "(use strategy=fsdp2)")
 
 
@@ -125,7 +126,7 @@ def ban_vision_tokens(model: torch.nn.Module) -> list[int]:
     ids = sorted({int(getattr(config, key)) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                          "vision_end_token_id") if getattr(config, key, None)
                   is not None})
-    def hook(_module, _inputs, logits):
+    def hook(_module: torch.nn.Module, _inputs: tuple, logits: torch.Tensor) -> torch.Tensor:
         return logits.index_fill(-1, torch.tensor(ids, dtype=torch.long, device=logits.device), BANNED_LOGIT)
 
     model.lm_head.register_forward_hook(hook)
@@ -311,10 +312,10 @@ def install_dummy_vision(module: torch.nn.Module) -> bool:
         return language is not None and visual is not None
     state = {"images": False}
 
-    def mark(_mod, args, kwargs):  # the outer VLM forward: did this call get images?
-        state["images"] = kwargs.get("pixel_values") is not None or (len(args) > 4 and args[4] is not None)
+    def mark(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> None:  # the VLM's forward: did it get images?
+        state["images"] = kwargs.get("pixel_values") is not None
 
-    def pre(_mod, args, kwargs):
+    def pre(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if state["images"] or kwargs.get("inputs_embeds") is None:
             return None
         embeds = kwargs["inputs_embeds"]

@@ -19,7 +19,8 @@ import torch
 from hybridflow.models.vlm import INPUTS_KEY, MROPE_KEY, extend_rope_positions, vision_inputs
 from hybridflow.protocol import DataProto
 
-__all__ = ["vision_rows", "vision_chunk", "add_rollout_positions", "prompt_vision_keys", "share_vision_columns"]
+__all__ = ["vision_rows", "vision_chunk", "add_rollout_positions", "with_context_vision", "prompt_vision_keys",
+           "share_vision_columns"]
 
 
 def vision_rows(prompts: DataProto, n: int) -> Optional[DataProto]:
@@ -29,7 +30,8 @@ def vision_rows(prompts: DataProto, n: int) -> Optional[DataProto]:
         return None
     if INPUTS_KEY not in prompts.non_tensor_batch:
         raise KeyError(f"a VLM prompt batch with {MROPE_KEY} needs the non-tensor column {INPUTS_KEY}")
-    rows = DataProto.from_dict(tensors={MROPE_KEY: prompts.batch[MROPE_KEY]},
+    rows = DataProto.from_dict(tensors={MROPE_KEY: prompts.batch[MROPE_KEY],
+                                        "attention_mask": prompts.batch["attention_mask"]},
                                non_tensors={INPUTS_KEY: prompts.non_tensor_batch[INPUTS_KEY]})
     return rows.repeat(n, interleave=True) if n > 1 else rows
 
@@ -52,6 +54,25 @@ def add_rollout_positions(out: DataProto, rows: Optional[DataProto]) -> DataProt
         out.batch[MROPE_KEY] = extend_rope_positions(prompt.to(positions.device),
                                                      positions[:, :prompt.shape[-1]], positions)
     return out
+
+
+def with_context_vision(contexts: DataProto, rows: Optional[DataProto]) -> DataProto:
+    """Multi-turn: give left-padded ``contexts`` (the prompt + the turns so far, (N', W)) their rows' images and
+    mrope positions (N', 3, W): the prompt's carried positions, then, for every later token (sampled or an
+    observation: text), the last one's + 1, + 2, ... ``rows``: the active trajectories' :func:`vision_rows`.
+    Unchanged for text prompts."""
+    if rows is None:
+        return contexts
+    mask = contexts.batch["attention_mask"].bool()
+    out = torch.zeros(mask.shape[0], 3, mask.shape[1], dtype=torch.long)
+    for r in range(mask.shape[0]):
+        prompt = rows.batch[MROPE_KEY][r][:, rows.batch["attention_mask"][r].bool()]  # (3, p) real prompt tokens
+        extra = int(mask[r].sum()) - prompt.shape[1]
+        tail = prompt[:, -1:] + 1 + torch.arange(extra)
+        out[r][:, mask[r]] = torch.cat([prompt, tail], dim=1)
+    contexts.batch[MROPE_KEY] = out.to(mask.device)
+    contexts.non_tensor_batch[INPUTS_KEY] = rows.non_tensor_batch[INPUTS_KEY]
+    return contexts
 
 
 def prompt_vision_keys(batch: DataProto) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
 from hybridflow.data.multimodal import collate_multimodal
 from hybridflow.models import vlm
+from hybridflow.protocol import DataProto
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.vision import prompt_vision_keys, share_vision_columns
 from hybridflow.training.micro import response_forward
@@ -86,3 +87,55 @@ def test_rollout_logprobs_equal_trainer_recomputation_and_weight_sync():
     print(f"after the vision-tower sync: rollout vs trainer {synced_diff:.2e}, "
           f"change {(before - after)[image_rows].abs().max().item():.2e}")
     assert synced_diff <= 1e-4  # ... and the rollout has it
+
+
+def test_multi_turn_context_with_images_matches_trainer():
+    """A later turn's context (prompt + a turn + a text observation, as MultiTurnLoop sends it) gets the prompt's
+    images and positions continuing the prompt's mrope; the logprobs sampled from it equal the trainer's forward
+    over the whole trajectory (the observation inside the response, mask 0)."""
+    from hybridflow.rollout.multi_turn import _left_pad
+    from hybridflow.rollout.vision import vision_rows, with_context_vision
+
+    model, processor = tiny_vlm()
+    batch, prompts = _prompt_batch(processor)
+    rows = vision_rows(prompts, 1)
+    mask = prompts.batch["attention_mask"].bool()
+    earlier = [[40, 41, 42], [50], [60, 61]]  # a model turn + an observation per row (text tokens)
+    contexts = [prompts.batch["input_ids"][i][mask[i]].tolist() + earlier[i] for i in range(3)]
+    ctx = with_context_vision(_left_pad(contexts, 0, {"seed": 3, "n": 1}), rows)
+    full_positions = (ctx.batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    width = prompts.batch["input_ids"].shape[1]
+    for i in range(3):  # the context's mrope == the trainer's extension of the prompt's over the same tokens
+        n = len(contexts[i])
+        text = torch.arange(n)[None, :]
+        prompt_len = int(mask[i].sum())
+        expected = vlm.extend_rope_positions(
+            prompts.batch[vlm.MROPE_KEY][i:i + 1, :, width - prompt_len:], text[:, :prompt_len], text)
+        assert torch.equal(ctx.batch[vlm.MROPE_KEY][i][:, -n:], expected[0])
+        assert torch.equal(full_positions[i][-n:], text[0])
+    out = _generate(model, ctx, n=1).generate_sequences(ctx)
+    # the trainer's view: prompt, then response = the earlier turn + observation (mask 0) + this turn
+    P = width
+    responses = torch.zeros(3, len(max(earlier, key=len)) + R, dtype=torch.long)
+    resp_mask = torch.zeros_like(responses)
+    for i in range(3):
+        k = len(earlier[i])
+        turn = out.batch["responses"][i][out.batch["response_mask"][i].bool()]
+        responses[i, :k], responses[i, k:k + len(turn)] = torch.tensor(earlier[i]), turn
+        resp_mask[i, :k + len(turn)] = 1
+    ids = torch.cat([prompts.batch["input_ids"], responses], 1)
+    attn = torch.cat([prompts.batch["attention_mask"], resp_mask], 1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    full = batch.union(DataProto.from_dict(tensors={
+        "input_ids": ids, "attention_mask": attn, "position_ids": pos, "responses": responses,
+        vlm.MROPE_KEY: vlm.extend_rope_positions(prompts.batch[vlm.MROPE_KEY], pos[:, :P], pos)}))
+    with torch.no_grad():
+        logits = response_forward(model, full, responses.shape[1])
+    logits = sampling_logits(logits.float(), SamplingSpec(TEMPERATURE), keep=responses)
+    lp = torch.log_softmax(logits, -1).gather(-1, responses[..., None])[..., 0]
+    worst = 0.0
+    for i in range(3):
+        k, m = len(earlier[i]), int(out.batch["response_mask"][i].sum())
+        worst = max(worst, (lp[i, k:k + m] - out.batch["rollout_log_probs"][i, :m]).abs().max().item())
+    print(f"multi-turn context: rollout vs trainer logprobs max abs diff {worst:.2e}")
+    assert worst <= 1e-4, worst
