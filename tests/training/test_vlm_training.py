@@ -106,12 +106,12 @@ def test_freeze_vision_tower_and_value_head(tmp_path):
     assert response_forward(critic, data, R).shape == (3, R, 1)
 
 
-def _engine(path: str):
+def _engine(path: str, freeze: bool = False):
     model = OmegaConf.create({"path": path, "dtype": "float32", "trust_remote_code": False,
-                              "enable_gradient_checkpointing": False, "freeze_vision_tower": False})
+                              "enable_gradient_checkpointing": False, "freeze_vision_tower": freeze})
     return get_engine_class("fsdp2").build(EngineSpec(
         kind="policy", model=model, layout=ParallelLayout(dp=2), device="cpu",
-        optim=OmegaConf.structured(OptimConfig), total_steps=1, grad_clip=1.0, fsdp_size=-1))
+        optim=OmegaConf.structured(OptimConfig), total_steps=1, grad_clip=1e9, fsdp_size=-1))
 
 
 # rank 0: rows with images; rank 1: a text-only micro-batch (its vision tower runs only the dummy forward)
@@ -122,15 +122,20 @@ def _loss(out, mask):
     return -(out["log_probs"] * mask).sum() / 10.0
 
 
-def _rank_worker(rank: int, root: str) -> None:
-    engine = _engine(os.path.join(root, "model"))
+def _rank_grads(rank: int, root: str, freeze: bool) -> dict:
+    engine = _engine(os.path.join(root, "model"), freeze)
     engine.set_train(True)
     engine.zero_grad()
     data, _ = _batch(vlm.ImageTextProcessor.from_pretrained(os.path.join(root, "model")),
                      _prompts(RANK_PROMPTS[rank]), seed=rank)
     engine.forward_backward_micro_batches([data], [lambda out: _loss(out, data.batch["response_mask"])])
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-             for n, p in engine.module.named_parameters() if p.grad is not None}
+    engine.optimizer_step()  # (frozen: the tower has no optimizer state; no clipping at grad_clip=1e9)
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in engine.module.named_parameters() if p.grad is not None}
+
+
+def _rank_worker(rank: int, root: str) -> None:
+    grads = {freeze: _rank_grads(rank, root, freeze) for freeze in (False, True)}
     if rank == 0:
         torch.save(grads, os.path.join(root, "grads.pt"))
 
@@ -139,7 +144,7 @@ def test_image_less_rank_fsdp2_two_ranks_equal_one_process(tmp_path):
     root = str(tmp_path)
     path = save_tiny_vlm(os.path.join(root, "model"))
     spawn_ranks(_rank_worker, root, world=2)
-    grads = torch.load(os.path.join(root, "grads.pt"))
+    grads, frozen = (torch.load(os.path.join(root, "grads.pt"))[k] for k in (False, True))
     model = vlm.load_vision_model(path, torch.float32).train()
     processor = vlm.ImageTextProcessor.from_pretrained(path)
     total = 0.0
@@ -154,3 +159,6 @@ def test_image_less_rank_fsdp2_two_ranks_equal_one_process(tmp_path):
     assert grads.keys() == expected.keys()
     worst = max((grads[n] - expected[n]).abs().max().item() for n in expected)
     assert worst <= 1e-6, worst
+    # freeze_vision_tower: no tower gradients; every other gradient as without freezing
+    assert frozen.keys() == {n for n in expected if not n.startswith("model.visual.")}
+    assert max((frozen[n] - expected[n]).abs().max().item() for n in frozen) <= 1e-6
