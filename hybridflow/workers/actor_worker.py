@@ -267,8 +267,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
             if self._lora:  # the rollout's probe against the trainer's; a mismatch fails the step
-                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout,
-                                                                  self.actor.module.config.vocab_size)
+                vocab = self.actor.module.config.get_text_config().vocab_size  # a VLM's: its text config's
+                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout, vocab)
         self.actor.engine.offload()
 
     def _rollout_weights(self):
