@@ -15,13 +15,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["cat_row_tensors", "row_tensor_bytes"]
+__all__ = ["cat_row_tensors"]
 
 
 def cat_row_tensors(column: np.ndarray, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Concatenate ``keys`` of every row's dict in ``column`` (B,) along dim 0, in row order (a row that is None
-    lacks a key or has an empty one contributes nothing). Returns ``{key: (sum of the rows' dim 0, ...)}``; a key no row has is an
-    empty ``(0,)`` float tensor.
+    """Concatenate ``keys`` of every row's dict in ``column`` (B,) along dim 0, in row order (a row that is None,
+    lacks a key or has an empty one contributes nothing). Returns ``{key: (sum of the rows' dim 0, ...)}``; a key
+    no row has is an empty ``(0,)`` float tensor.
 
     Raises:
         ValueError: the rows' tensors of one key differ in trailing shape or dtype (the message names the key).
@@ -38,8 +38,3 @@ def cat_row_tensors(column: np.ndarray, keys: Sequence[str]) -> dict[str, torch.
         out[key] = torch.cat(parts, dim=0)
     return out
 
-
-def row_tensor_bytes(column: np.ndarray) -> np.ndarray:
-    """(B,) int64: the bytes of each row's tensors (0 for None), e.g. to weigh rows when balancing."""
-    return np.array([0 if row is None else sum(int(t.numel() * t.element_size()) for t in row.values()
-                                               if isinstance(t, torch.Tensor)) for row in column], dtype=np.int64)

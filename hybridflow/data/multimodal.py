@@ -85,9 +85,10 @@ def _text_messages(prompt: Any) -> Any:
 
 
 class MultimodalDataset(RLHFDataset):
-    """:class:`~hybridflow.data.dataset.RLHFDataset` for image prompts (see the module docstring); ``source``
-    (optional) names the rows' file in errors; ``error.row`` is the row index (the trainer maps it to its file). ``truncation`` must be ``"error"`` (cutting an image's tokens is not
-    meaningful). Items add ``multi_modal_inputs`` and ``multi_modal_data``.
+    """:class:`~hybridflow.data.dataset.RLHFDataset` for image prompts (see the module docstring). ``source``
+    (optional) names the rows' file in errors; ``error.row`` is the row index (the trainer maps it to its file).
+    Over-long prompts always raise (``data.truncation`` does not apply: cutting an image's tokens is not
+    meaningful). Items add ``multi_modal_inputs`` and ``multi_modal_data`` (shared, read-only).
 
     Raises:
         ImageError: a bad image, an over-long prompt (naming the row and its image tokens) or a placeholder/image
@@ -115,8 +116,9 @@ class MultimodalDataset(RLHFDataset):
                 raise ImageError(f"prompt has {len(out.input_ids)} tokens ({image_tokens} of them image "
                                  f"tokens) > data.max_prompt_length={max_prompt_length}; raise "
                                  "data.max_prompt_length or use smaller images", row=i)
-            bos = self._input_ids[i][:1].tolist() if self._input_ids[i][:1].tolist() == [processor.tokenizer.bos_token_id] \
-                and out.input_ids[:1] != [processor.tokenizer.bos_token_id] else []  # the no-template BOS rule
+            bos_id = processor.tokenizer.bos_token_id  # the no-template rule's prepended BOS, kept
+            first = self._input_ids[i][:1].tolist()
+            bos = first if first == [bos_id] and out.input_ids[:1] != [bos_id] else []
             self._input_ids[i] = torch.tensor(bos + out.input_ids, dtype=torch.long)
             self._inputs.append({"pixel_values": out.pixel_values, "image_grid_thw": out.image_grid_thw})
             self._data.append({"image": out.images})

@@ -147,9 +147,9 @@ class Processed:
 class ImageTextProcessor:
     """Image processor + tokenizer of a Qwen2-VL-family model dir (no video processor, no torchvision).
 
-    ``process(text, images)``: each ``<image>`` (or bare ``<|image_pad|>``) in ``text`` becomes
-    ``<|vision_start|>`` + ``<|image_pad|>`` x (grid tokens) + ``<|vision_end|>``; images are first resized to the
-    processor's target size so the pixels the trainer sees are those of the returned images.
+    ``process(text, images)``: each ``<image>`` (or an unexpanded ``<|vision_start|><|image_pad|><|vision_end|>``)
+    in ``text`` becomes ``<|vision_start|>`` + ``<|image_pad|>`` x (grid tokens) + ``<|vision_end|>``; images are
+    first resized to the processor's target size so the pixels the trainer sees are those of the returned images.
     """
 
     def __init__(self, image_processor: Any, tokenizer: Any) -> None:

@@ -22,6 +22,7 @@ from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_ro
 from hybridflow.data.multimodal import MultimodalDataset, collate_multimodal, vision_dataset
 from hybridflow.errors import DataError, UserError
 from hybridflow.models.hf import MissingTokenizerError, load_tokenizer, model_positions
+from hybridflow.models.vlm import INPUTS_KEY
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
 from hybridflow.utils import startup
@@ -232,9 +233,11 @@ def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]]
         raise DataError(f"data.train_batch_size={data.train_batch_size} exceeds the {len(train)} training prompts "
                         f"of data.train_files ({data.train_files or 'the built-in task'})")
 
+    vision = next((d for d in (train, val) if isinstance(d, MultimodalDataset)), None)
+
     def collate(features: list[dict[str, Any]]) -> DataProto:
-        if isinstance(train, MultimodalDataset):  # image prompts: + mrope positions and per-row vision inputs
-            return collate_multimodal(features, tokenizer.pad_token_id, train.image_token_id, train.merge_size,
+        if vision is not None and isinstance(features[0].get(INPUTS_KEY), dict):  # image prompts: + mrope, images
+            return collate_multimodal(features, tokenizer.pad_token_id, vision.image_token_id, vision.merge_size,
                                       data.max_prompt_length)
         return collate_fn(features, tokenizer.pad_token_id, data.max_prompt_length)
 
