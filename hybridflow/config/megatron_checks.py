@@ -85,9 +85,10 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     for section, (key, role) in MEGATRON_SECTIONS.items():
         problems += _section_problems(get, section, key, pool_ranks(get, role), reads[section])
         path = get(f"{section.split('.')[0]}.model.path")  # actor/ref: actor_rollout_ref.model, critic: critic.model
-        if reads[section] and is_vision_model_dir(path):  # one line, before Ray
-            problems.append(f"{key}={strategies[section]}: {path} is a vision-language model; megatron does not "
-                            "support VLMs (use strategy=fsdp2)")
+        line = (f"{key}={strategies[section]}: {path} is a vision-language model; megatron does not support VLMs "
+                "(use strategy=fsdp2)")
+        if reads[section] and line not in problems and is_vision_model_dir(path):  # one line (actor + ref: one)
+            problems.append(line)
     actor, ref = f"actor_rollout_ref.actor.{LAYOUT_SECTION}", f"actor_rollout_ref.ref.{LAYOUT_SECTION}"
     if reads["actor_rollout_ref.actor"]:
         engine = strategies["actor_rollout_ref.actor"]
