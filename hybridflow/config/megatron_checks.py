@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.mapping.layouts import pool_ranks
+from hybridflow.models.vlm import is_vision_model_dir
 
 __all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "expert_problems", "megatron_problems"]
 
@@ -99,6 +100,11 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     reads = {section: meta(engine, "layout_section") == LAYOUT_SECTION for section, engine in strategies.items()}
     for section, (key, role) in MEGATRON_SECTIONS.items():
         problems += _section_problems(get, section, key, pool_ranks(get, role), reads[section])
+        path = get(f"{section.split('.')[0]}.model.path")  # actor/ref: actor_rollout_ref.model, critic: critic.model
+        line = (f"{key}={strategies[section]}: {path} is a vision-language model; megatron does not support VLMs "
+                "(use strategy=fsdp2)")
+        if reads[section] and line not in problems and is_vision_model_dir(path):  # one line (actor + ref: one)
+            problems.append(line)
     actor, ref = f"actor_rollout_ref.actor.{LAYOUT_SECTION}", f"actor_rollout_ref.ref.{LAYOUT_SECTION}"
     if reads["actor_rollout_ref.actor"]:
         engine = strategies["actor_rollout_ref.actor"]

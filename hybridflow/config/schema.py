@@ -56,6 +56,9 @@ class ModelConfig:
     # critic and reward/cost models read their own section's)
     use_remove_padding: bool = False
     enable_gradient_checkpointing: bool = False  # recompute activations in backward
+    # vision-language models (Qwen2/2.5-VL): keep the vision tower's weights fixed (no gradients, no optimizer state;
+    # docs/how-to/vision-language.md); ignored by text models
+    freeze_vision_tower: bool = False
     trust_remote_code: bool = False  # passed to transformers
     # LoRA through peft (Hu et al. 2021; docs/how-to/lora.md); for actor_rollout_ref.model and critic.model
     lora_rank: int = 0  # LoRA rank r; 0 = off (full fine-tuning). > 0: only the adapters train, the base is frozen

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow.distributed.shm_comm import ShmGroup
 from hybridflow.distributed.tp import check_tp_size, get_tp_plan, localize_attention
+from hybridflow.models.vlm import is_vision_config, vision_model_from_config
 
 __all__ = ["RowParallelLinear", "TPGroup", "VocabParallelEmbedding", "VocabParallelLMHead",
            "build_tp_generation_model"]
@@ -118,7 +119,8 @@ def build_tp_generation_model(config: Any, tp: TPGroup, dtype: torch.dtype) -> t
         ValueError: ``tp.size`` does not divide the heads, kv heads, MLP width or vocabulary.
     """
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = (vision_model_from_config(config, dtype, tp.size) if is_vision_config(config)  # a VLM, tp 1
+                 else AutoModelForCausalLM.from_config(config, dtype=dtype))
     model.eval()
     model.requires_grad_(False)
     if tp.size == 1:

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # the mode
 
 from hybridflow.errors import UserError
 from hybridflow.models.builtin import BUILTIN_MODELS, resolve_model_path
+from hybridflow.models.vlm import is_vision_model_dir, load_vision_model
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     _quiet_transformers()
     from transformers import AutoModelForCausalLM
 
+    if is_vision_model_dir(path):  # Qwen2/2.5-VL: AutoModelForImageTextToText (hybridflow/models/vlm.py)
+        return load_vision_model(_check_dir(path), dtype, trust_remote_code=trust_remote_code)
     return AutoModelForCausalLM.from_pretrained(_check_dir(path), dtype=dtype, trust_remote_code=trust_remote_code)
 
 
@@ -144,6 +147,8 @@ def load_value_model(path: str, dtype: torch.dtype, trust_remote_code: bool = Fa
     from transformers import AutoModelForTokenClassification
 
     _quiet_transformers()
+    if is_vision_model_dir(path):  # a VLM critic: its output head replaced by a scalar one
+        return load_vision_model(_check_dir(path), dtype, value_head=True, trust_remote_code=trust_remote_code)
     model = AutoModelForTokenClassification.from_pretrained(
         _check_dir(path), num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
     )

@@ -131,7 +131,7 @@ def verify_rollout_sync(trainer: torch.nn.Module, rollout: Any, vocab_size: int)
 def probe_entry(trainer: torch.nn.Module) -> tuple[str, torch.Tensor]:
     """The trainer's probe as one more tensor of an async weight push: ``(PROBE_NAME, (1, L) fp32)``. Every
     rank of the trainer's mesh calls this (sharded forward)."""
-    vocab_size = trainer.config.vocab_size
+    vocab_size = trainer.config.get_text_config().vocab_size  # a VLM's is its text config's
     device = next(trainer.parameters()).device
     return PROBE_NAME, lora_lib.greedy_logprobs(trainer, lora_lib.probe_ids(vocab_size, device))[1]
 
@@ -157,5 +157,5 @@ def rollout_vocab_size(rollout: Any) -> int:
     """The vocabulary size of the rollout's model (the probe ids are spread over it)."""
     module = getattr(rollout, "module", None)
     if isinstance(module, torch.nn.Module):
-        return int(module.config.vocab_size)
+        return int(module.config.get_text_config().vocab_size)
     return int(rollout.llm.llm_engine.vllm_config.model_config.get_vocab_size())

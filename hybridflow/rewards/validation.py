@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.vision import prompt_vision_keys, share_vision_columns
 from hybridflow.utils.progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def generate_and_score(generate: Callable[[DataProto], DataProto], score: Callab
     logger.info("%s: %d prompts x %d responses, %d prompts per batch", desc, len(data), sampling["n"], batch_size)
     with Progress(desc, len(data), "prompts", leave=False) as progress:
         for chunk in data.split(batch_size):
-            prompts = chunk.select(PROMPT_KEYS, non_tensor_batch_keys=[])
+            prompts = share_vision_columns(  # + a VLM's mrope positions and per-row images
+                chunk.select(list(PROMPT_KEYS) + prompt_vision_keys(chunk), non_tensor_batch_keys=[]), chunk)
             prompts.meta_info.update(sampling, seed=seed)
             gen = generate(prompts)
             columns = chunk.select(batch_keys=[]).repeat(sampling["n"], interleave=True).non_tensor_batch

@@ -23,6 +23,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_rollout
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
 from hybridflow.rollout.routing_record import attach_routing, decode_routing
+from hybridflow.rollout.vision import add_rollout_positions, vision_chunk, vision_rows
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,7 @@ class HFRollout(BaseRollout):
         input_ids, attention_mask, position_ids = prompt_tensors(prompts)
         out_device = input_ids.device
         n = params["n"]
+        vision = vision_rows(prompts, n)  # a VLM's images and mrope positions, rows repeated n times
         if n > 1:
             input_ids, attention_mask, position_ids = (
                 t.repeat_interleave(n, dim=0) for t in (input_ids, attention_mask, position_ids)
@@ -176,16 +178,17 @@ class HFRollout(BaseRollout):
                 rows = slice(i, i + rows_per_call)
                 with decode_routing(self.module, getattr(self.config, "record_routing", False)) as routing:
                     chunks.append(self._decode(input_ids[rows].to(self._device), attention_mask[rows].to(self._device),
-                                               position_ids[rows].to(self._device), eos_ids, params, generator))
+                                               position_ids[rows].to(self._device), eos_ids, params, generator,
+                                               vision_chunk(vision, i, i + rows_per_call, self._device)))
                 routings.append(routing.rectangle(len(chunks[-1][0]), input_ids.shape[1], params["response_length"]))
         finally:
             self.module.train(was_training)
         seconds = time.perf_counter() - start
         responses, response_mask, log_probs = (torch.cat(parts).to(out_device) for parts in zip(*chunks))
 
-        out = build_rollout_output(
+        out = add_rollout_positions(build_rollout_output(
             input_ids, attention_mask, position_ids, responses, response_mask, log_probs, seconds, eos_ids.cpu()
-        )
+        ), vision)
         attach_routing(out, routings)
         logger.debug("hf rollout: %d rows, %d tokens in %.3fs", len(out), out.meta_info["num_generated_tokens"],
                      seconds)
@@ -200,17 +203,20 @@ class HFRollout(BaseRollout):
         eos_ids: torch.Tensor,
         params: dict[str, Any],
         generator: Optional[torch.Generator],
+        vision: Optional[dict] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode one micro-batch of (N, P) prompts; returns responses (N, R), response_mask (N, R),
-        logprobs (N, R) float32, on the model's device."""
+        logprobs (N, R) float32, on the model's device. ``vision``: a VLM micro-batch's images and (3, N, P)
+        positions (:func:`hybridflow.rollout.vision.vision_chunk`)."""
         rows, length = input_ids.shape[0], params["response_length"]
         responses = torch.full((rows, length), self.pad_token_id, dtype=torch.long, device=input_ids.device)
         log_probs = torch.zeros((rows, length), dtype=torch.float32, device=input_ids.device)
         # response tokens per row: the step at which the row emitted its eos (1-based), else R
         lengths = torch.full((rows,), length, dtype=torch.long, device=input_ids.device)
         finished = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
-        forward = self._step_forward(attention_mask, input_ids.shape[1] + length, params["n"])
-        step_ids, step_positions = input_ids, position_ids
+        forward = self._step_forward(attention_mask, input_ids.shape[1] + length, params["n"], vision)
+        last = position_ids[:, -1:] if vision is None else vision["positions"][..., -1:]  # (N, 1) or (3, N, 1)
+        step_ids, step_positions = input_ids, (position_ids if vision is None else vision["positions"])
         for step in range(length):
             logits = forward(step_ids, step_positions)
             tokens, token_log_probs = _next_tokens(
@@ -225,24 +231,26 @@ class HFRollout(BaseRollout):
             if bool(finished.all()):
                 break
             step_ids = tokens.unsqueeze(-1)
-            step_positions = position_ids[:, -1:] + step + 1
+            step_positions = last + step + 1
         del forward  # the KV cache
         response_mask = (torch.arange(length, device=input_ids.device) < lengths.unsqueeze(-1)).long()
         return responses, response_mask, log_probs
 
-    def _step_forward(self, attention_mask: torch.Tensor, capacity: int, copies: int) -> Callable:
+    def _step_forward(self, attention_mask: torch.Tensor, capacity: int, copies: int,
+                      vision: Optional[dict] = None) -> Callable:
         """The decoding forward of one micro-batch with prompt mask ``attention_mask`` (N, P) and at most
         ``capacity`` tokens: ``forward(ids (N, L), positions (N, L)) -> logits (N, V)`` float32 of the last
         position, the KV cache kept inside. With ``fast_decode`` (default) and a Llama-family model,
         :class:`~hybridflow.rollout.fast_decode.LeanDecoder`, which runs the prompt forward once per group of
         ``copies`` identical rows (the n samples of a prompt); otherwise the module's own forward over a
-        :func:`~hybridflow.rollout.kv_cache.preallocated_cache`, the mask growing by one column a step."""
+        :func:`~hybridflow.rollout.kv_cache.preallocated_cache`, the mask growing by one column a step. ``vision``:
+        the prefill (first call) also gets the images (a VLM: never the lean decoder)."""
         # imported here: importing the rollout registry stays light
         from hybridflow.models.hf import accepts_logits_to_keep
         from hybridflow.rollout.fast_decode import lean_decoder
         from hybridflow.rollout.kv_cache import preallocated_cache
 
-        lean = lean_decoder(self.module) if getattr(self.config, "fast_decode", True) else None
+        lean = lean_decoder(self.module) if getattr(self.config, "fast_decode", True) and vision is None else None
         if lean is not None:
             lean.start(attention_mask, capacity, copies)
             return lean.step
@@ -250,10 +258,11 @@ class HFRollout(BaseRollout):
         # the output head on the last position only (the prompt's other positions are never read)
         last = {"logits_to_keep": 1} if accepts_logits_to_keep(self.module) else {}
         masks = [attention_mask]  # the mask of the next call: the prompt's, then one more column a step
+        images = [vision["inputs"]] if vision else []  # the prefill's pixel_values / image_grid_thw
 
         def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             output = self.module(input_ids=ids, attention_mask=masks[-1], position_ids=positions,
-                                 past_key_values=cache, use_cache=True, **last)
+                                 past_key_values=cache, use_cache=True, **last, **(images.pop() if images else {}))
             masks[-1] = torch.cat([masks[-1], masks[-1].new_ones((ids.shape[0], 1))], dim=1)
             return output.logits[:, -1, :].float()
 

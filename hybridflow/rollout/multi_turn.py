@@ -41,6 +41,7 @@ from hybridflow.rollout.base import BaseRollout
 from hybridflow.rollout.batching import as_id_list, prompt_tensors, resolve_sampling_params
 from hybridflow.rollout.multi_turn_template import ChatDelta
 from hybridflow.rollout.trajectory import FINISH_REASONS, Trajectory, trajectories_to_batch
+from hybridflow.rollout.vision import add_rollout_positions, vision_rows, with_context_vision
 from hybridflow.tools import Tool, ToolCall, get_tool_format, load_tools, run_calls
 
 logger = logging.getLogger(__name__)
@@ -150,21 +151,22 @@ class MultiTurnLoop:
         trajs = [Trajectory(input_ids[i][mask[i]].tolist()) for i in range(input_ids.shape[0])]
         samples = [{k: v[i // n] for k, v in prompts.non_tensor_batch.items()} for i in range(len(trajs))]
         ids = [f"{uuid.uuid4().hex}-{i}" for i in range(len(trajs))]
+        vision = vision_rows(prompts, n)  # image prompts: each turn's context gets the images and mrope positions
         start = time.perf_counter()
         _run_async(self._each_tool("create", [(iid, sample) for iid, sample in zip(ids, samples)]))
         try:
-            self._loop(backend, trajs, ids, budget, prompts.meta_info)
+            self._loop(backend, trajs, ids, budget, prompts.meta_info, vision)
         finally:
             _run_async(self._each_tool("release", [(iid,) for iid in ids]))
         seconds = time.perf_counter() - start
-        return trajectories_to_batch(trajs, input_ids, attention_mask, position_ids, budget,
-                                     backend.pad_token_id, seconds)
+        return add_rollout_positions(trajectories_to_batch(trajs, input_ids, attention_mask, position_ids, budget,
+                                                           backend.pad_token_id, seconds), vision)
 
     async def _each_tool(self, method: str, args: list[tuple]) -> None:
         await asyncio.gather(*(getattr(tool, method)(*a) for tool in self.tools.values() for a in args))
 
     def _loop(self, backend: BaseRollout, trajs: list[Trajectory], ids: list[str], budget: int,
-              meta_info: dict) -> None:
+              meta_info: dict, vision: Optional[DataProto] = None) -> None:
         s = self.settings
         active = list(range(len(trajs)))
         failed = [False] * len(trajs)  # the last tool round of each trajectory had an error
@@ -175,7 +177,8 @@ class MultiTurnLoop:
             limits = [budget - len(trajs[i].response_ids) for i in active]
             if s.max_tokens_per_turn is not None:
                 limits = [min(limit, s.max_tokens_per_turn) for limit in limits]
-            turns = self._model_turn(backend, [trajs[i].context_ids for i in active], limits, meta_info, turn)
+            turns = self._model_turn(backend, [trajs[i].context_ids for i in active], limits, meta_info, turn,
+                                     None if vision is None else vision[active])
             pending: list[tuple[int, list[ToolCall]]] = []
             for i, (turn_ids, turn_lps) in zip(active, turns):
                 traj = trajs[i]
@@ -207,14 +210,15 @@ class MultiTurnLoop:
         assert all(t.finish_reason in FINISH_REASONS for t in trajs), "a trajectory left the loop unfinished"
 
     def _model_turn(self, backend: BaseRollout, contexts: list[list[int]], limits: list[int], meta_info: dict,
-                    turn: int) -> list[tuple[list[int], list[float]]]:
-        """One model turn for each context: (sampled ids, sampling logprobs), cut at a stop and at its limit."""
+                    turn: int, vision: Optional[DataProto] = None) -> list[tuple[list[int], list[float]]]:
+        """One model turn for each context: (sampled ids, sampling logprobs), cut at a stop and at its limit.
+        ``vision``: the contexts' rows of :func:`~hybridflow.rollout.vision.vision_rows` (image prompts)."""
         meta = {k: v for k, v in meta_info.items() if k not in ("seed", "eos_token_id")}
         meta.update(n=1, response_length=max(limits),
                     eos_token_id=sorted(set(as_id_list(meta_info.get("eos_token_id")) + self.stop_ids)))
         if meta_info.get("seed") is not None:
             meta["seed"] = int(meta_info["seed"]) * 1009 + turn
-        out = backend.generate_sequences(_left_pad(contexts, backend.pad_token_id, meta))
+        out = backend.generate_sequences(with_context_vision(_left_pad(contexts, backend.pad_token_id, meta), vision))
         responses, mask = out.batch["responses"].cpu(), out.batch["response_mask"].bool().cpu()
         log_probs = out.batch["rollout_log_probs"].cpu()
         turns = []

@@ -25,6 +25,7 @@ import numpy as np
 
 from hybridflow.algorithms import get_kl_controller
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.vision import prompt_vision_keys, share_vision_columns
 from hybridflow.trainer.balance import balance_batch
 from hybridflow.trainer.driver import Driver, Role, SharedWithPPO, register_driver
 from hybridflow.trainer.driver_config import PPODriverConfig, ppo_config_problems
@@ -136,7 +137,8 @@ class PPOTrainer(Driver):
         seed_index = step if seed_index is None else seed_index
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
         batch.meta_info.update(seed=self.config.trainer.seed * 100003 + seed_index, global_step=step)
-        return batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"], meta_info_keys=["seed"])
+        keys = ["input_ids", "attention_mask", "position_ids"] + prompt_vision_keys(batch)  # + a VLM's mrope
+        return share_vision_columns(batch.pop(batch_keys=keys, meta_info_keys=["seed"]), batch)
 
     def generate(self, batch: DataProto, seed_index: Optional[int] = None) -> DataProto:
         """``rollout.n`` samples per prompt of ``batch`` (seed of ``seed_index``, see :meth:`pop_prompts`): the

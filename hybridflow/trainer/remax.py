@@ -85,6 +85,7 @@ class ReMaxTrainer(Driver):
     def greedy_baselines(self, prompts: DataProto, rows: DataProto) -> torch.Tensor:
         """(B,) fp32: the reward of the greedy response to each of the B ``prompts`` (whose ground truths are
         the non-tensor columns of ``rows``, one row per prompt): ReMax's baseline ``r(x, y_greedy)``."""
-        greedy = self.actor.generate_sequences(DataProto(batch=prompts.batch, meta_info={"do_sample": False, "n": 1}))
+        greedy = self.actor.generate_sequences(DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
+                                                         meta_info={"do_sample": False, "n": 1}))  # + a VLM's images
         scored = DataProto(batch=greedy.batch, non_tensor_batch=rows.non_tensor_batch)
         return self.reward.compute_rm_score(scored).batch["token_level_scores"].sum(-1)

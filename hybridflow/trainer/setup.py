@@ -19,8 +19,10 @@ from hybridflow.controller.worker import is_loopback
 from hybridflow.data.builtin import builtin_task_rows, is_builtin_task
 from hybridflow.data.builtin_task import make_builtin_rows
 from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
+from hybridflow.data.multimodal import MultimodalDataset, collate_multimodal, vision_dataset
 from hybridflow.errors import DataError, UserError
 from hybridflow.models.hf import MissingTokenizerError, load_tokenizer, model_positions
+from hybridflow.models.vlm import INPUTS_KEY
 from hybridflow.protocol import DataProto
 from hybridflow.plugins import plugin_env
 from hybridflow.utils import startup
@@ -88,8 +90,10 @@ def load_split(config: DictConfig, tokenizer: PreTrainedTokenizerBase, split: st
             sizes.append((f"the built-in task's {split} split", len(rows)))
         rows = first_rows(rows, data.train_max_samples if split == "train" else data.val_max_samples,
                           f"data.{split}_max_samples")
-        dataset = RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
-                              tools=prompt_tool_schemas(config))
+        dataset = (vision_dataset(rows, tokenizer, config.actor_rollout_ref.model.path, data.max_prompt_length,
+                                  data.prompt_key, prompt_tool_schemas(config))
+                   or RLHFDataset(rows, tokenizer, data.max_prompt_length, data.prompt_key, data.truncation,
+                                  tools=prompt_tool_schemas(config)))
         rule_reward_used = not (config.reward_model.enable and config.reward_model.combine == "model")
         if rule_reward_used and config.reward_model.compute_score == "default":
             check_data_sources(rows)
@@ -229,7 +233,12 @@ def build_data(config: DictConfig) -> tuple[Callable[[int], Iterator[DataProto]]
         raise DataError(f"data.train_batch_size={data.train_batch_size} exceeds the {len(train)} training prompts "
                         f"of data.train_files ({data.train_files or 'the built-in task'})")
 
+    vision = next((d for d in (train, val) if isinstance(d, MultimodalDataset)), None)
+
     def collate(features: list[dict[str, Any]]) -> DataProto:
+        if vision is not None and isinstance(features[0].get(INPUTS_KEY), dict):  # image prompts: + mrope, images
+            return collate_multimodal(features, tokenizer.pad_token_id, vision.image_token_id, vision.merge_size,
+                                      data.max_prompt_length)
         return collate_fn(features, tokenizer.pad_token_id, data.max_prompt_length)
 
     def batches(start_step: int = 0) -> Iterator[DataProto]:

@@ -24,6 +24,7 @@ from hybridflow.distributed.checkpoint import load_sharded, save_sharded
 from hybridflow.distributed.precision import mixed_precision_policy, training_dtypes
 from hybridflow.distributed.replicate import GradientBuckets, resolve_fsdp_size
 from hybridflow.distributed.tp import tp_dims
+from hybridflow.models.vlm import freeze_vision_tower, install_dummy_vision
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.dtype_probe import model_step_timer
@@ -55,6 +56,8 @@ def _load_module(spec: EngineSpec, dtype: torch.dtype) -> torch.nn.Module:
         # a value model keeps its head in full (trained) with adapters on the backbone
         module = (lora_lib.apply_critic_lora if spec.kind == "value" else lora_lib.apply_lora)(
             module, spec.lora_config or model)
+    if getattr(model, "freeze_vision_tower", False):
+        freeze_vision_tower(module)  # a VLM's vision tower: no gradients, no optimizer state
     if model.enable_gradient_checkpointing:
         module.gradient_checkpointing_enable()
     return module
@@ -129,6 +132,7 @@ class FSDP2Engine(TrainEngine):
                                                     spec.param_offload, spec.lora)
             module = parallelize_model(module.to(spec.device), mesh, reshard_after_forward=reshard,
                                        mp_policy=mixed_precision_policy(compute))
+            install_dummy_vision(module)  # a VLM: image-less micro-batches still run the sharded vision tower
         optimizer = scheduler = None
         if spec.optim is not None:
             optimizer = build_optimizer(module, spec.optim)

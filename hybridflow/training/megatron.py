@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.algorithms.sampling import SamplingSpec
+from hybridflow.models.vlm import refuse_vision_model
 from hybridflow.protocol import DataProto
 from hybridflow.training.base import EngineSpec, TrainEngine, WeightSpec, register_engine
 from hybridflow.training.megatron_cpu import cpu_adapter
@@ -64,6 +65,7 @@ class MegatronEngine(TrainEngine):
 
     @classmethod
     def build(cls, spec: EngineSpec) -> "MegatronEngine":
+        refuse_vision_model(spec.model.path, "megatron", spec.role)  # VLMs: fsdp2 only (one line)
         return cls(spec, build_megatron_model(spec))
 
     # ------------------------------------------------------------------ compute

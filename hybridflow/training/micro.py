@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.distributed import all_reduce_sum, clip_grad_norm
+from hybridflow.models.vlm import forward_kwargs as vision_kwargs
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import packed_response_forward, padded_columns
 
@@ -42,11 +43,13 @@ def response_forward(module: torch.nn.Module, micro: DataProto, response_length:
     prompt_len = mask.shape[1] - response_length
     first, end = padded_columns(mask, response_length)
     kept = end - prompt_len
+    extra = vision_kwargs(micro, first, end)  # a VLM batch: images and the carried (3, B, L) mrope positions
     out = module(
         input_ids=batch["input_ids"][:, first:end],
         attention_mask=mask[:, first:end],
-        position_ids=batch["position_ids"][:, first:end],
+        position_ids=extra.pop("position_ids", batch["position_ids"][:, first:end]),
         use_cache=False,
+        **extra,
     )
     logits = out.logits[:, prompt_len - 1 - first : end - 1 - first]
     if kept < response_length:

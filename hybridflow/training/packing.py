@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hybridflow.models.hf import accepts_logits_to_keep
+from hybridflow.models.vlm import MROPE_KEY, forward_kwargs as vision_kwargs
 from hybridflow.protocol import DataProto
 from hybridflow.training.shared_prompt import (SHARED_PROMPT_KWARG, shared_prompt_attention, shared_prompt_layout,
                                                shared_prompt_tokens)
@@ -252,8 +253,10 @@ def _packed_outputs(module: torch.nn.Module, micro: DataProto,
     # ignores it. Flash attention gets no mask: its varlen path reads cu_seq_lens.
     device = packed.input_ids.device
     dummy = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device) if use_varlen_attention(module) else None
-    out = module(input_ids=packed.input_ids, attention_mask=dummy, position_ids=packed.position_ids, use_cache=False,
-                 **varlen).logits[0]
+    extra = vision_kwargs(micro, flat_index=packed.flat_index)  # a VLM: images, (4, 1, T) [text; mrope] positions
+    out = module(input_ids=packed.input_ids, attention_mask=dummy,
+                 position_ids=extra.pop("position_ids", packed.position_ids), use_cache=False, **varlen,
+                 **extra).logits[0]
     return out, packed
 
 
@@ -274,7 +277,8 @@ def packed_response_forward(module: torch.nn.Module, micro: DataProto, response_
     there)."""
     mask = micro.batch["attention_mask"]
     rows, width = mask.shape
-    if use_varlen_attention(module):  # not flash attention: its varlen kernels take no such mask
+    # not flash attention (its varlen kernels take no such mask), not a VLM batch (its images are per row)
+    if use_varlen_attention(module) and MROPE_KEY not in micro.batch.keys():
         layout = shared_prompt_layout(mask, micro.batch["input_ids"], response_length)
         if layout is not None:
             return _shared_prompt_response_forward(module, micro, response_length, layout)

@@ -271,8 +271,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_weights(self._rollout_weights())
             self._rollout_stale = False
             if self._lora:  # the rollout's probe against the trainer's; a mismatch fails the step
-                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout,
-                                                                  self.actor.module.config.vocab_size)
+                vocab = self.actor.module.config.get_text_config().vocab_size  # a VLM's: its text config's
+                self.sync_metrics = lora_sync.verify_rollout_sync(self.actor.module, self.rollout, vocab)
         self.actor.engine.offload()
 
     def _rollout_weights(self):
@@ -308,7 +308,7 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.ACTOR_SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` (B, R) and ``entropys`` (B, R) of the current policy, fp32."""
@@ -316,7 +316,7 @@ class ActorRolloutRefWorker(Worker):
         return DataProto.from_dict(tensors=self._old_log_prob(data))
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """``ref_log_prob`` (B, R) fp32 under the frozen reference policy."""
@@ -342,7 +342,7 @@ class ActorRolloutRefWorker(Worker):
         return {"ref_log_prob": log_prob}
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="actor", batch_keys=columns.ACTOR_UPDATE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def update_actor(self, data: DataProto) -> DataProto:
         """One PPO update over the batch; returns ``meta_info["metrics"]`` (averaged over dp ranks).

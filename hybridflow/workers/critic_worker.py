@@ -67,7 +67,7 @@ class CriticWorker(Worker):
         return {"compute_dtype": compute_dtypes(critic=self.critic)}  # what dtype=auto chose; the driver logs it
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic", batch_keys=columns.SEQUENCE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, R) fp32: V(s_t) before each response token, zero at padding."""
@@ -78,7 +78,7 @@ class CriticWorker(Worker):
         return DataProto.from_dict(tensors={"values": values})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO, mesh_name="critic", batch_keys=columns.CRITIC_UPDATE,
-              non_tensor_batch_keys=columns.NONE)
+              non_tensor_batch_keys=columns.MODEL_INPUTS)
     @report_time
     def update_critic(self, data: DataProto) -> DataProto:
         """One clipped value-loss update; returns ``meta_info["metrics"]``."""
