@@ -116,16 +116,21 @@ def vision_model_from_config(config: Any, dtype: torch.dtype, tp_size: int = 1) 
 BANNED_LOGIT = -1e4
 
 
+def vision_token_ids(config: Any) -> list[int]:
+    """The sorted ids of a VLM config's vision special tokens (image/video pads, vision start/end) that a policy
+    never emits (:func:`ban_vision_tokens`); ``[]`` for a text model's config."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return sorted({int(getattr(config, key)) for key in keys if getattr(config, key, None) is not None})
+
+
 def ban_vision_tokens(model: torch.nn.Module) -> list[int]:
     """Make the policy never emit the vision special tokens (image/video pads, vision start/end): a forward hook
     on the output head sets their logits to :data:`BANNED_LOGIT`. A generated ``<|image_pad|>`` would be taken as
     an image placeholder by the next forward (placeholders and image features would no longer match), so the
     policy is defined without them, in the trainer and in the ``hf`` rollout alike (both load through
     :func:`load_vision_model`: their logprobs agree). A vLLM rollout must ban the same ids. Returns the ids."""
-    config = model.config
-    ids = sorted({int(getattr(config, key)) for key in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                         "vision_end_token_id") if getattr(config, key, None)
-                  is not None})
+    ids = vision_token_ids(model.config)
+
     def hook(_module: torch.nn.Module, _inputs: tuple, logits: torch.Tensor) -> torch.Tensor:
         return logits.index_fill(-1, torch.tensor(ids, dtype=torch.long, device=logits.device), BANNED_LOGIT)
 

@@ -14,8 +14,8 @@ its image tokens (``<|image_pad|>`` repeated ``t*h*w / merge**2`` times), and th
 * :func:`reset_encoder_cache`: vLLM caches the vision encoder's outputs per image; after an in-place weight load
   they are stale (they were computed with the old vision tower) and, reused, shift the logprobs silently (about
   0.09 on the tiny model), so every weight load resets this cache as well as the prefix cache.
-* :func:`extend_mrope_positions`: the carried 3-D rope positions ``mrope_position_ids`` (B, 3, P) extended over
-  the response (response tokens are text: each axis continues from the row's last prompt position, +1 per slot).
+* the carried 3-D rope positions ``mrope_position_ids`` (B, 3, P) are extended over the response as the hf rollout
+  extends them (:func:`hybridflow.rollout.vision.add_rollout_positions`).
 
 Shapes: B prompts, n samples per prompt, N = B*n rows, P prompt tokens, R response slots.
 """
@@ -31,7 +31,6 @@ import torch
 from hybridflow.errors import UserError
 
 DATA_KEY = "multi_modal_data"  # non-tensor column: per row {"image": [PIL.Image, ...]}
-MROPE_KEY = "mrope_position_ids"  # tensor (B, 3, P) long: carried 3-D rope positions
 
 
 class ImagePromptMismatchError(UserError, ValueError):
@@ -52,6 +51,17 @@ def engine_multimodal_kwargs(model_path: str) -> dict:
         if json.load(f).get("model_type") not in VISION_MODEL_TYPES:
             return {}
     return {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"video": 0}}
+
+
+def banned_logit_bias(llm: Any) -> Optional[dict[int, float]]:
+    """``SamplingParams.logit_bias`` that keeps the engine from emitting the vision special tokens, as the trainer's
+    policy never does (:func:`hybridflow.models.vlm.ban_vision_tokens`); None for a text-only model. vLLM clamps a
+    bias to -100: their probability is then below e^-100 of the best token's, so the other tokens' processed logprobs
+    equal the trainer's (whose banned logits are -1e4) to far below fp32 resolution."""
+    from hybridflow.models.vlm import vision_token_ids
+
+    ids = vision_token_ids(llm.llm_engine.vllm_config.model_config.hf_config)
+    return {i: -100.0 for i in ids} or None
 
 
 def image_token_id(llm: Any) -> Optional[int]:
@@ -118,15 +128,6 @@ def check_expansion(outputs: Sequence[Any], token_lists: list[list[int]], n: int
 def reset_encoder_cache(llm: Any) -> None:
     """Drop vLLM's cached vision-encoder outputs (stale after a weight load; see the module docstring)."""
     llm.llm_engine.reset_encoder_cache()
-
-
-def extend_mrope_positions(prompt_mrope: torch.Tensor, n: int, response_length: int) -> torch.Tensor:
-    """``prompt_mrope`` (B, 3, P) long, repeated ``n`` times per row (interleaved) and extended over
-    ``response_length`` slots: (N, 3, P+R), slot ``j`` at the last prompt column's position + ``j + 1`` on
-    every axis (left padding: the last column is a real token)."""
-    mrope = prompt_mrope.repeat_interleave(n, dim=0) if n > 1 else prompt_mrope
-    steps = torch.arange(1, response_length + 1, device=mrope.device, dtype=mrope.dtype)
-    return torch.cat([mrope, mrope[:, :, -1:] + steps], dim=-1)
 
 
 def has_images(non_tensor: dict) -> bool:

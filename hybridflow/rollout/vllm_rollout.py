@@ -55,8 +55,9 @@ from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_ro
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
 from hybridflow.rollout.vllm_config import VLLMEngineConfig, engine_kwargs, vllm_config_problems
 from hybridflow.rollout.vllm_lora import VLLMAdapter, engine_lora_kwargs
-from hybridflow.rollout.vllm_multimodal import (MROPE_KEY, check_expansion, engine_multimodal_kwargs,
-                                                extend_mrope_positions, has_images, image_requests, image_token_id,
+from hybridflow.rollout.vision import add_rollout_positions, vision_rows
+from hybridflow.rollout.vllm_multimodal import (check_expansion, engine_multimodal_kwargs,
+                                                banned_logit_bias, has_images, image_requests, image_token_id,
                                                 reset_encoder_cache)
 
 logger = logging.getLogger(__name__)
@@ -288,6 +289,7 @@ class VLLMRollout(BaseRollout):
         self.llm = self._build_engine(resolve_model_path(model_path), dtype, trust_remote_code, max_model_len)
         self._vocab_size = self.llm.llm_engine.vllm_config.model_config.get_vocab_size()
         self._image_token = image_token_id(self.llm)  # None: a text-only model
+        self._logit_bias = banned_logit_bias(self.llm)  # a VLM never emits its vision tokens (as in the trainer)
 
     @classmethod
     def from_config(cls, model_path: str, module: Optional[torch.nn.Module], config: Any,
@@ -384,6 +386,7 @@ class VLLMRollout(BaseRollout):
                 n=1, max_tokens=length, logprobs=0, seed=seed, stop_token_ids=stop_ids, ignore_eos=True,
                 detokenize=False, temperature=0.0 if greedy else params["temperature"],
                 top_p=1.0 if greedy else params["top_p"], top_k=0 if greedy or params["top_k"] < 0 else params["top_k"],
+                logit_bias=self._logit_bias,
             )
             for seed in seeds
         ]
@@ -416,8 +419,7 @@ class VLLMRollout(BaseRollout):
             )
         out = build_rollout_output(input_ids, attention_mask, position_ids, responses.to(device),
                                    response_mask.to(device), log_probs.to(device), seconds, eos_ids)
-        if MROPE_KEY in prompts.batch.keys():
-            out.batch[MROPE_KEY] = extend_mrope_positions(prompts.batch[MROPE_KEY], n, length)
+        out = add_rollout_positions(out, vision_rows(prompts, n))  # a VLM's mrope positions over the responses
         logger.debug("vllm rollout: %d rows, %d tokens in %.3fs", rows, out.meta_info["num_generated_tokens"], seconds)
         return out
 

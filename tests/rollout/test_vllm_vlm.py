@@ -31,7 +31,8 @@ if importlib.util.find_spec("vllm") is None:
 from helpers.tvshim import shim_env, torchvision_shim  # noqa: E402
 from hybridflow.models.builtin import resolve_model_path  # noqa: E402
 from hybridflow.rollout.vllm_multimodal import (ImagePromptMismatchError, check_expansion,  # noqa: E402
-                                                engine_multimodal_kwargs, extend_mrope_positions, image_requests)
+                                                engine_multimodal_kwargs, image_requests)
+from hybridflow.models.vlm import extend_rope_positions  # noqa: E402
 
 PAD_IMG = 9  # the image placeholder id in the unit tests
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +70,9 @@ def test_mrope_positions_continue_over_the_response_on_every_axis():
     # row 0: left pad, text 0, image tokens at grid (t,h,w) offsets, then text continuing from max + 1 = 4
     mrope = torch.tensor([[[0, 0, 1, 1, 1, 3, 4], [0, 0, 1, 1, 2, 3, 4], [0, 0, 1, 2, 1, 3, 4]],
                           [[0, 1, 2, 3, 4, 5, 6]] * 3])
-    out = extend_mrope_positions(mrope, n=2, response_length=3)
+    # the rows' 1-D text positions: row 0's pad column, then its 6 real tokens 0..5 and 3 response slots 6..8
+    text = torch.tensor([[0, 0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]]).repeat_interleave(2, dim=0)
+    out = extend_rope_positions(mrope.repeat_interleave(2, dim=0), text[:, :7], text)
     assert out.shape == (4, 3, 10)
     assert out[0].tolist() == out[1].tolist() and out[2].tolist() == out[3].tolist()
     assert out[1, :, 7:].tolist() == [[5, 6, 7]] * 3 and out[3, :, 7:].tolist() == [[7, 8, 9]] * 3

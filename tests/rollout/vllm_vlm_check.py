@@ -1,6 +1,6 @@
 """Child process of tests/rollout/test_vllm_vlm.py (run with the torchvision shim first on PYTHONPATH, see
 tests/helpers/tvshim.py): the vllm rollout of the shipped ``builtin:tiny-vlm`` on image prompts against one
-unpadded Hugging Face forward per row, before and after an in-place weight reload that changes only the vision
+unpadded Hugging Face forward per row (the trainer's policy: vision special tokens banned), before and after an in-place weight reload that changes only the vision
 tower. Prints one JSON line of measurements (max abs logprob differences); the test asserts on them.
 """
 
@@ -18,6 +18,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from hybridflow.data.vlm_task import IMAGE_PLACEHOLDER, QUESTION, make_count_problems
 from hybridflow.models.builtin import resolve_model_path
+from hybridflow.models.vlm import ban_vision_tokens
 from hybridflow.models.vlm_build import load_vlm_processor
 from hybridflow.protocol import DataProto
 from hybridflow.rollout import VLLMRollout, vllm_rollout
@@ -86,6 +87,7 @@ def main() -> None:
     images = [p.image for p in make_count_problems("val", 2, 7)] + [None]
     rows = encode_rows(processor, images)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    ban_vision_tokens(model)  # the trainer's policy never emits the vision tokens; the engine bans them too
     config = SimpleNamespace(response_length=RESPONSE_LENGTH, n=1, do_sample=False, temperature=1.0, top_p=1.0,
                              top_k=-1, enforce_eager=True)
     rollout = VLLMRollout(path, config, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
