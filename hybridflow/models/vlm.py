@@ -168,6 +168,9 @@ class ImageTextProcessor:
     def from_pretrained(cls, path: str, tokenizer: Any = None) -> "ImageTextProcessor":
         from transformers import AutoImageProcessor, AutoTokenizer
 
+        from hybridflow.models.builtin import resolve_model_path
+
+        path = resolve_model_path(str(path))  # builtin:NAME or a hub id -> its directory
         tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         return cls(AutoImageProcessor.from_pretrained(path), tokenizer)
 
