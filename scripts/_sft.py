@@ -138,3 +138,20 @@ def base_parser(description: str, *, steps: int, batch_size: int) -> argparse.Ar
     parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     return parser
+
+
+def correct_fraction_main(description: str, build: Callable[..., dict], *, steps: int, batch_size: int,
+                          correct_help: str, argv: list[str] | None = None) -> None:
+    """The command line of a build script whose SFT mixes correct and wrong answers (tiny-arith, tiny-moe,
+    tiny-vlm): :func:`base_parser`'s options plus ``--correct-fraction`` (default 0.35), ``--seed`` and
+    ``--threads`` (torch CPU threads, default 1 as the shipped builds); runs ``build`` and prints its info JSON."""
+    parser = base_parser(description, steps=steps, batch_size=batch_size)
+    parser.add_argument("--correct-fraction", type=float, default=0.35, help=correct_help)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
+    info = build(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                 correct_fraction=args.correct_fraction, seed=args.seed)
+    print(json.dumps(info, indent=2))

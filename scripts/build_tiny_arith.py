@@ -40,7 +40,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
-from _sft import (BOS, EOS, PAD, base_parser, build_model, loss_tail_mean, save, sft_loop,  # noqa: E402
+from _sft import (BOS, EOS, PAD, build_model, correct_fraction_main, loss_tail_mean, save, sft_loop,  # noqa: E402
                   warmup_cosine, wrap_tokenizer)
 from hybridflow.data.builtin_task import DATA_SOURCE, ArithProblem, make_builtin_problems  # noqa: E402
 
@@ -180,20 +180,8 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__.splitlines()[0], steps=1500, batch_size=64)
-    parser.add_argument("--correct-fraction", type=float, default=0.35,
-                        help="share of SFT responses that are the full correct solution")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (the shipped build used 1)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
-    info = build(
-        args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        correct_fraction=args.correct_fraction, seed=args.seed,
-    )
-    print(json.dumps(info, indent=2))
+    correct_fraction_main(__doc__.splitlines()[0], build, steps=1500, batch_size=64,
+                          correct_help="share of SFT responses that are the full correct solution", argv=argv)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py, also when imported by its path
-from _sft import base_parser, loss_tail_mean, save, sft_loop, warmup_cosine  # noqa: E402
+from _sft import correct_fraction_main, loss_tail_mean, save, sft_loop, warmup_cosine  # noqa: E402
 from build_tiny_arith import _encode, _example  # noqa: E402
 from hybridflow.data.builtin_task import DATA_SOURCE, make_builtin_problems  # noqa: E402
 from hybridflow.models.builtin import BUILTIN_MODELS  # noqa: E402
@@ -114,17 +114,8 @@ def build(out: Path, *, steps: int, batch_size: int = 64, lr: float = 2e-3, corr
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__.splitlines()[0], steps=300, batch_size=64)
-    parser.add_argument("--correct-fraction", type=float, default=0.35,
-                        help="share of SFT responses that are the full correct solution")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
-    info = build(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                 correct_fraction=args.correct_fraction, seed=args.seed)
-    print(json.dumps(info, indent=2))
+    correct_fraction_main(__doc__.splitlines()[0], build, steps=300, batch_size=64,
+                          correct_help="share of SFT responses that are the full correct solution", argv=argv)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py
-from _sft import BOS, EOS, PAD, base_parser, loss_tail_mean, save, warmup_cosine, wrap_tokenizer  # noqa: E402
+from _sft import (BOS, EOS, PAD, correct_fraction_main, loss_tail_mean, save, warmup_cosine,  # noqa: E402
+                  wrap_tokenizer)
 from hybridflow.data.vlm_task import (COUNTS, DATA_SOURCE, IMAGE_PLACEHOLDER, QUESTION, CountProblem,  # noqa: E402
                                       make_count_problems)
 from hybridflow.models.vlm_build import (VISION_TOKENS, image_only_processor, tiny_image_processor,  # noqa: E402
@@ -220,17 +221,8 @@ def build(out: Path, *, steps: int, batch_size: int = 64, lr: float = 3e-3, corr
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = base_parser(__doc__.splitlines()[0], steps=1200, batch_size=64)
-    parser.add_argument("--correct-fraction", type=float, default=0.35,
-                        help="share of SFT responses that are the correct count")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the shipped build used 1)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    torch.set_num_threads(args.threads)
-    info = build(args.out, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                 correct_fraction=args.correct_fraction, seed=args.seed)
-    print(json.dumps(info, indent=2))
+    correct_fraction_main(__doc__.splitlines()[0], build, steps=1200, batch_size=64,
+                          correct_help="share of SFT responses that are the correct count", argv=argv)
 
 
 if __name__ == "__main__":
