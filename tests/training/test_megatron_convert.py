@@ -3,7 +3,6 @@ for Llama (GQA), a tied-embedding model and Qwen2 (q/k/v bias); a 1-rank GPTMode
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import transformers
 
 pytest.importorskip("megatron.core")
 
-from hybridflow.distributed.launch import free_port
 from hybridflow.models.megatron_convert import (hf_params, hf_shard_from_local, local_from_hf, merge_tp_shards,
                                                 stage_layers, tp_shard)
 from tests.helpers.models import tiny_model
@@ -74,24 +72,6 @@ def test_stage_layers_even_split() -> None:
     assert list(stage_layers(4, 2, 1)) == [2, 3]
     with pytest.raises(ValueError, match="not divisible"):
         stage_layers(3, 2, 0)
-
-
-@pytest.fixture(scope="module")
-def megatron_1rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from hybridflow.training.megatron_cpu import cpu_adapter
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    with cpu_adapter("cpu"):
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "llama_tied", "qwen2_bias", "value"])

@@ -5,7 +5,6 @@ the config mapping and the one-line refusals of an expert layout the model canno
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import transformers
 
 pytest.importorskip("megatron.core")
 
-from hybridflow.distributed.launch import free_port
 from hybridflow.models.megatron_convert import hf_params, hf_shard_from_local, local_from_hf, merge_tp_shards, tp_shard
 from hybridflow.models.megatron_moe import ep_shard, moe_config_kwargs, stack_experts, unstack_experts
 from tests.helpers.moe_models import tiny_moe
@@ -124,24 +122,6 @@ def test_bad_expert_layouts_are_one_line_user_errors() -> None:
     with pytest.raises(UserError, match=r"expert_model_parallel_size=3 must divide the model's 8 experts"):
         check_experts(_model("qwen3_moe").config, 3, "actor")
     check_experts(_model("qwen3_moe").config, 4, "actor")
-
-
-@pytest.fixture(scope="module")
-def megatron_1rank():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from hybridflow.training.megatron_cpu import cpu_adapter
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    with cpu_adapter("cpu"):
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
