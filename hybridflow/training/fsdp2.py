@@ -165,13 +165,14 @@ class FSDP2Engine(TrainEngine):
     def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
                 entropy: bool = False) -> dict[str, torch.Tensor]:
         # an MoE model: replays the micro-batch's routed_experts and adds router_aux_loss / expert_load
-        with moe_forward(self.module, micro, self.spec.kind, self.spec.remove_padding) as routing:
+        with moe_forward(self.module, micro, self.spec.kind, self.spec.remove_padding, self.sp_group) as routing:
             if self.autocast_dtype is None:
                 out = self._forward(micro, sampling, entropy)
             else:  # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does
                 with torch.autocast(self.spec.device, dtype=self.autocast_dtype):  # when sharded
                     out = self._forward(micro, sampling, entropy)
-        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding)}
+        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding,
+                                     self.sp_group)}
 
     def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
         if self.sp_group is not None:  # Ulysses: the sequence split over the sp group
