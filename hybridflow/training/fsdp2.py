@@ -32,7 +32,7 @@ from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 from hybridflow.training.routing_replay import moe_forward, moe_outputs
-from hybridflow.training.ulysses import ulysses_forward
+from hybridflow.training.ulysses import check_ulysses_attention, ulysses_forward
 from hybridflow.distributed.sequence_parallel import new_sp_group
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class FSDP2Engine(TrainEngine):
         mesh = build_mesh(dp=spec.layout.dp * spec.layout.sp, tp=spec.layout.tp)  # FSDP over dp x sp (data: dp)
         sp_group = new_sp_group(spec.layout.sp, spec.layout.tp)
         module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
+        check_ulysses_attention(module, spec.layout.sp, spec.role)  # sp > 1: sdpa only (one line otherwise)
         # dtype auto on CPU: bf16 compute over the fp32 weights where the model's matmul shapes run faster in bf16
         # (a collective); a LoRA actor computes in fp32, so the rollout-sync probe can tell a stale rollout
         # (a reference follows its actor's answer: spec.auto_bf16)

@@ -53,13 +53,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from hybridflow.algorithms import entropy_from_logits, logprobs_from_logits
 from hybridflow.algorithms.sampling import SamplingSpec, sampling_logits
+from hybridflow.errors import UserError
 from hybridflow.distributed.sequence_parallel import all_to_all, gather_sequence
 from hybridflow.models.vlm import forward_kwargs as vision_kwargs
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import (VARLEN_ATTENTION, pack, padded_columns, upcast_for_cpu_backward,
                                          varlen_sdpa_attention)
 
-__all__ = ["ULYSSES_ATTENTION", "SequenceLayout", "sequence_layout", "ulysses_attention", "ulysses_forward",
+__all__ = ["LAYOUT_KWARG", "SP_KEYS", "ULYSSES_ATTENTION", "SequenceLayout", "UlyssesAttentionError",
+           "check_ulysses_attention", "sequence_layout", "ulysses_attention", "ulysses_forward",
            "use_ulysses_attention"]
 
 ULYSSES_ATTENTION = "hybridflow_ulysses"
@@ -101,7 +103,10 @@ class SequenceLayout:
         return x[..., self.rank * step: (self.rank + 1) * step]
 
 
-_ACTIVE: list[SequenceLayout] = []  # the layout of the forward in progress (a stack: one entry while it runs)
+# the forward kwarg that carries the SequenceLayout down to the attention (transformers passes a model's extra
+# kwargs through its decoder layers to the attention function, and gradient checkpointing's recomputation in the
+# backward gets them again: a context set around the forward would be gone by then)
+LAYOUT_KWARG = "hybridflow_sequence_layout"
 
 
 def _pad_to(x: torch.Tensor, multiple: int, value: int = 0) -> torch.Tensor:
@@ -154,15 +159,17 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """Attention over the whole sequence for a sequence shard: ``query`` (N, H, S/sp, D), ``key``/``value``
-    (N, H_kv, S/sp, D) -> ``(out (N, S/sp, H, D), None)`` like transformers' ``sdpa_attention_forward``. Outside a
-    :func:`ulysses_forward` it is :func:`hybridflow.training.packing.varlen_sdpa_attention` (plain sdpa).
+    (N, H_kv, S/sp, D) -> ``(out (N, S/sp, H, D), None)`` like transformers' ``sdpa_attention_forward``; the layout
+    comes as the ``hybridflow_sequence_layout`` kwarg (:data:`LAYOUT_KWARG`). Without it (outside a
+    :func:`ulysses_forward`, or a VLM's vision tower) it is
+    :func:`hybridflow.training.packing.varlen_sdpa_attention` (plain sdpa).
 
     Raises:
         ValueError: the query heads are not divisible by the sp size.
     """
-    if not _ACTIVE:
+    layout = kwargs.pop(LAYOUT_KWARG, None)
+    if layout is None:
         return varlen_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    layout = _ACTIVE[-1]
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads % layout.sp:
         raise ValueError(f"ulysses_sequence_parallel_size={layout.sp} must divide the {heads} attention heads")
@@ -187,6 +194,31 @@ AttentionInterface.register(ULYSSES_ATTENTION, ulysses_attention)
 AttentionMaskInterface.register(ULYSSES_ATTENTION, sdpa_mask)  # forwards outside sp get sdpa's masks
 
 
+class UlyssesAttentionError(UserError, ValueError):
+    """A model whose attention the Ulysses path does not wrap, with ``ulysses_sequence_parallel_size > 1``."""
+
+
+#: the engine role (``EngineSpec.role``) -> its sp config key
+SP_KEYS = {"actor": "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+           "ref": "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+           "critic": "critic.ulysses_sequence_parallel_size"}
+
+
+def check_ulysses_attention(module: torch.nn.Module, sp: int, role: str) -> None:
+    """At engine build: with ``sp > 1`` the model must attend with ``sdpa`` (what :func:`use_ulysses_attention`
+    wraps); e.g. ``eager`` (an architecture without sdpa support) or ``flash_attention_2`` is refused in one line
+    naming the role's sp key and the implementation.
+
+    Raises:
+        UlyssesAttentionError: the model runs another attention implementation.
+    """
+    current = getattr(module.config, "_attn_implementation", None) or "sdpa"
+    if sp > 1 and current not in ("sdpa", VARLEN_ATTENTION, ULYSSES_ATTENTION):
+        key = SP_KEYS.get(role, f"{role}.ulysses_sequence_parallel_size")
+        raise UlyssesAttentionError(f"{key}={sp}: Ulysses sequence parallelism wraps sdpa attention, but the {role} "
+                                    f"model runs attn_implementation={current!r} (not supported under sp yet)")
+
+
 def use_ulysses_attention(module: torch.nn.Module) -> None:
     """Make ``module`` (and its sub-configs) attend with :func:`ulysses_attention` (plain sdpa outside sp forwards).
 
@@ -203,15 +235,6 @@ def use_ulysses_attention(module: torch.nn.Module) -> None:
     for sub in [config, *[getattr(config, k) for k in getattr(config, "sub_configs", {}) or {}]]:
         if sub is not None:
             sub._attn_implementation = ULYSSES_ATTENTION
-
-
-@contextlib.contextmanager
-def _active(layout: SequenceLayout) -> Iterator[None]:
-    _ACTIVE.append(layout)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
 
 
 def _response_length(micro: DataProto) -> int:
@@ -301,26 +324,21 @@ def _split_language_model(module: torch.nn.Module, layout: SequenceLayout) -> It
     rank's slice of ``inputs_embeds`` (N, S/sp, H) and of the mrope positions, and turns the sp attention on for
     its layers only (the vision tower's attention is not split). Each rank's embedding / vision gradients come
     from its slice's tokens only, so the dp x sp average is exact (as :func:`gather_sequence`)."""
-    language, depth = _language_model(module), len(_ACTIVE)
+    language = _language_model(module)
 
     def pre(_mod: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
         embeds = kwargs["inputs_embeds"]
         step = embeds.shape[1] // layout.sp
         kwargs["inputs_embeds"] = embeds[:, layout.rank * step: (layout.rank + 1) * step]
         kwargs["position_ids"] = layout.shard(kwargs["position_ids"])
-        _ACTIVE.append(layout)
+        kwargs[LAYOUT_KWARG] = layout
         return args, kwargs
 
-    def post(*_: object) -> None:
-        _ACTIVE.pop()
-
-    handles = [language.register_forward_pre_hook(pre, with_kwargs=True), language.register_forward_hook(post)]
+    handle = language.register_forward_pre_hook(pre, with_kwargs=True)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
-        del _ACTIVE[depth:]  # a forward that raised inside the language model
+        handle.remove()
 
 
 def _token_outputs(module: torch.nn.Module, layout: SequenceLayout, kind: str, sampling: Optional[SamplingSpec],
@@ -334,9 +352,8 @@ def _token_outputs(module: torch.nn.Module, layout: SequenceLayout, kind: str, s
             out = module(input_ids=layout.input_ids, attention_mask=dummy, position_ids=layout.position_ids,
                          use_cache=False, **layout.vision).logits
     else:
-        with _active(layout):
-            out = module(input_ids=layout.shard(layout.input_ids), attention_mask=dummy,
-                         position_ids=layout.shard(layout.position_ids), use_cache=False).logits
+        out = module(input_ids=layout.shard(layout.input_ids), attention_mask=dummy,
+                     position_ids=layout.shard(layout.position_ids), use_cache=False, **{LAYOUT_KWARG: layout}).logits
     if kind != "policy":
         return {"values": gather_sequence(out.squeeze(-1).float(), layout.group)}
     labels = layout.shard(layout.labels)

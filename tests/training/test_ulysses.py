@@ -144,11 +144,13 @@ def _compare(kind: str, mine: DataProto, got: dict, want: dict, report: list) ->
 
 def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, short: bool, report: list,
            sharded: bool = False, model: str = "dense") -> None:
-    """``kind``: the engine's; ``model``: dense (the Llama of ``kind``), moe, replay (moe + a routing to replay) or
-    vlm (policies)."""
+    """``kind``: the engine's; ``model``: dense (the Llama of ``kind``), moe, replay (moe + a routing to replay),
+    vlm (2 heads: sp=2 only) or checkpointed (the dense policy with gradient checkpointing)."""
     dp = world // sp
     micros = [_micro(100 * d + int(short), short, model) for d in range(dp)]
-    module = _model(kind if model == "dense" else "moe" if model == "replay" else model)
+    module = _model(kind if model in ("dense", "checkpointed") else "moe" if model == "replay" else model)
+    if model == "checkpointed":  # the backward recomputes each layer's forward (attention too) from its inputs
+        module.gradient_checkpointing_enable()
     ref = _engine(copy.deepcopy(module), kind, remove_padding)  # sp=1, one rank, every dp group's micro-batch
     engine = _engine(module, kind, remove_padding, build_mesh(dp=world), sp, sharded)
     module = engine.module
@@ -183,7 +185,7 @@ def _ranks(rank: int, layouts: list[int]) -> None:
                 for short in (False, True):
                     _check(rank, world, sp, kind, remove_padding, short, report)
         _check(rank, world, sp, "policy", True, False, report, sharded=True)  # FSDP2 shards over dp x sp
-        models = ("moe", "replay", "vlm") if world == 2 else ("moe", "replay") if sp == 2 else ()  # VLM: 2 heads
+        models = ("moe", "replay", "vlm", "checkpointed") if world == 2 else ("moe", "replay") if sp == 2 else ()
         for model in models:
             for remove_padding in (False, True):
                 _check(rank, world, sp, "policy", remove_padding, False, report, model=model)
@@ -209,3 +211,21 @@ def test_layout_rank_order_and_collectors():
     assert all(layout.rank_of(*[layout.coords(r)[i] for i in (0, 1, 2)], sp_rank=layout.sp_rank(r)) == r
                for r in range(8))
     assert layout.weight_layout() == ParallelLayout(dp=4, tp=2)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flash_attention_2"])
+def test_other_attention_is_refused_in_one_line_naming_the_key(implementation):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.training.ulysses import UlyssesAttentionError, check_ulysses_attention
+
+    model = AutoModelForCausalLM.from_config(_config(2))
+    model.config._attn_implementation = implementation  # as a model without sdpa support (or a flash kernel) runs
+    check_ulysses_attention(model, 1, "critic")  # sp=1: any attention
+    with pytest.raises(UlyssesAttentionError) as err:
+        check_ulysses_attention(model, 2, "critic")
+    assert str(err.value) == ("critic.ulysses_sequence_parallel_size=2: Ulysses sequence parallelism wraps sdpa "
+                              f"attention, but the critic model runs attn_implementation='{implementation}' (not "
+                              "supported under sp yet)")
+    model.config._attn_implementation = "sdpa"
+    check_ulysses_attention(model, 2, "actor")
