@@ -26,8 +26,10 @@ def _engine_replay_modes(engine: str) -> tuple[str, ...]:
 
 def router_replay_problems(get: Callable[[str], Any]) -> list[str]:
     """``router_replay=rollout`` needs a rollout that records the routing, and ``rollout`` or ``recompute`` an actor
-    engine that replays in that mode; otherwise the replay would silently not happen. Neither, nor the router's
-    load-balancing loss, runs with Ulysses sequence parallelism yet (each sp rank routes a slice of the sequence)."""
+    engine that replays in that mode; otherwise the replay would silently not happen. Under Ulysses sequence
+    parallelism each sp rank replays (and records) the routing of its slice of the sequence
+    (:func:`hybridflow.training.ulysses.routing_index`); the router's load-balancing loss does not run with sp yet
+    (each sp rank would balance its slice only)."""
     actor = "actor_rollout_ref.actor"
     mode = get(f"{actor}.router_replay")
     problems = []
@@ -43,7 +45,4 @@ def router_replay_problems(get: Callable[[str], Any]) -> list[str]:
     strategy = get(f"{actor}.strategy")
     if mode not in _engine_replay_modes(strategy):
         problems.append(f"{actor}.router_replay={mode} is not replayed by the {strategy} engine ({actor}.strategy)")
-    if get(f"{actor}.ulysses_sequence_parallel_size") != 1:
-        problems.append(f"{actor}.router_replay={mode} does not run with {actor}.ulysses_sequence_parallel_size > 1 "
-                        "(not supported yet)")
     return problems

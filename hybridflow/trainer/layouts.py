@@ -51,18 +51,29 @@ def run_layouts(config: DictConfig) -> dict[str, dict[str, tuple[int, int, int]]
     return out
 
 
+def _sequence_parallel(config: DictConfig) -> dict[str, int]:
+    """Ulysses sp per role of its training / inference forwards (the reference runs on the actor's layout; generation
+    never splits sequences)."""
+    actor = config.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    return {"actor": actor, "reference": actor, "critic": config.critic.ulysses_sequence_parallel_size}
+
+
 def log_layouts(config: DictConfig) -> str:
-    """Log (and return) the layout of every role as (dp, tp, pp), marking those set by the ``layouts`` section.
+    """Log (and return) the layout of every role as (dp, tp, pp), with ``sp`` where a role's forwards split each
+    sequence over more than one Ulysses rank (then dp x sp x tp x pp is its ranks), marking those set by the
+    ``layouts`` section.
 
     Raises:
         KeyError: as :func:`run_layouts`.
     """
     planned = {(r, p) for r, phases in PHASES.items() for p in (config.layouts.get(r) or {})}
+    sp_of = _sequence_parallel(config)
     parts = []
     for role, phases in run_layouts(config).items():
         for phase, (dp, tp, pp) in phases.items():
             mark = " planned" if (role, phase) in planned else ""
-            parts.append(f"{role} {phase} (dp={dp}, tp={tp}, pp={pp}){mark}")
+            sp = sp_of.get(role, 1) if phase != "generate" else 1
+            parts.append(f"{role} {phase} (dp={dp}, tp={tp}, pp={pp}{f', sp={sp}' if sp > 1 else ''}){mark}")
     line = "parallel layouts: " + "; ".join(parts)
     logger.info(line)
     return line

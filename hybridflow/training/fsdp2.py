@@ -32,7 +32,7 @@ from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
 from hybridflow.training.optim import build_lr_scheduler, build_optimizer
 from hybridflow.training.routing_replay import moe_forward, moe_outputs
-from hybridflow.training.ulysses import ulysses_forward
+from hybridflow.training.ulysses import check_ulysses_attention, ulysses_forward
 from hybridflow.distributed.sequence_parallel import new_sp_group
 
 logger = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class FSDP2Engine(TrainEngine):
         mesh = build_mesh(dp=spec.layout.dp * spec.layout.sp, tp=spec.layout.tp)  # FSDP over dp x sp (data: dp)
         sp_group = new_sp_group(spec.layout.sp, spec.layout.tp)
         module = _load_module(spec, resolve_dtype(spec.model.dtype, spec.device))
+        check_ulysses_attention(module, spec.layout.sp, spec.role)  # sp > 1: sdpa only (one line otherwise)
         # dtype auto on CPU: bf16 compute over the fp32 weights where the model's matmul shapes run faster in bf16
         # (a collective); a LoRA actor computes in fp32, so the rollout-sync probe can tell a stale rollout
         # (a reference follows its actor's answer: spec.auto_bf16)
@@ -165,13 +166,14 @@ class FSDP2Engine(TrainEngine):
     def forward(self, micro: DataProto, *, sampling: Optional[SamplingSpec] = None,
                 entropy: bool = False) -> dict[str, torch.Tensor]:
         # an MoE model: replays the micro-batch's routed_experts and adds router_aux_loss / expert_load
-        with moe_forward(self.module, micro, self.spec.kind, self.spec.remove_padding) as routing:
+        with moe_forward(self.module, micro, self.spec.kind, self.spec.remove_padding, self.sp_group) as routing:
             if self.autocast_dtype is None:
                 out = self._forward(micro, sampling, entropy)
             else:  # replicated with bf16 compute over fp32 weights: autocast does the cast FSDP2's policy does
                 with torch.autocast(self.spec.device, dtype=self.autocast_dtype):  # when sharded
                     out = self._forward(micro, sampling, entropy)
-        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding)}
+        return {**out, **moe_outputs(self.module, routing, micro, self.spec.kind, self.spec.remove_padding,
+                                     self.sp_group)}
 
     def _forward(self, micro: DataProto, sampling: Optional[SamplingSpec], entropy: bool) -> dict[str, torch.Tensor]:
         if self.sp_group is not None:  # Ulysses: the sequence split over the sp group

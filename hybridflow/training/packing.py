@@ -55,7 +55,7 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     ``cu_seq_lens_q`` (S+1,) int32 in ``kwargs`` (S sequences); each sequence attends causally to itself only.
     Returns ``(out (1, T, H, D), None)`` like transformers' ``sdpa_attention_forward``. Without ``cu_seq_lens_q``
     (or with a KV cache: key length != query length) it is ``sdpa_attention_forward`` unchanged."""
-    if _upcast_for_cpu_backward(query, key, value):
+    if upcast_for_cpu_backward(query, key, value):
         with torch.autocast("cpu", enabled=False):
             mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() \
                 else attention_mask
@@ -105,7 +105,7 @@ def _batched_causal(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     return out.reshape(len(lengths) * longest, *out.shape[2:])[index][None]
 
 
-def _upcast_for_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+def upcast_for_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether a bf16/fp16 attention on CPU that autograd will differentiate should run in fp32: torch's CPU
     flash-attention *backward* in bf16 is 2-6x slower than in fp32 (torch 2.13, 1 thread: (8, 4, 29, 32)
     fwd+bwd 2.3 ms vs 0.39 ms; (16, 8, 160, 64) 53 ms vs 30 ms), while its forward is about 2x faster at most, so the
@@ -233,7 +233,7 @@ def use_varlen_attention(module: torch.nn.Module) -> bool:
 
 def use_fp32_attention_backward(module: torch.nn.Module) -> bool:
     """Make an ``sdpa`` module attend with :func:`varlen_sdpa_attention`, which runs bf16/fp16 attention that will be
-    differentiated on CPU in fp32 (:func:`_upcast_for_cpu_backward`); everything else is plain ``sdpa``. Other
+    differentiated on CPU in fp32 (:func:`upcast_for_cpu_backward`); everything else is plain ``sdpa``. Other
     implementations (``eager`` for a model that needs it, flash kernels) are left alone. Returns whether it
     switched (or had already)."""
     return _attention_implementation(module) in ("sdpa", VARLEN_ATTENTION) and use_varlen_attention(module)

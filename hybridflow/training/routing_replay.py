@@ -25,11 +25,13 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.models.moe import ROUTING_KEY, RoutingRecord, expert_load, load_balancing_loss, route, routers
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import padded_columns, use_varlen_attention
 from hybridflow.training.shared_prompt import shared_prompt_layout
+from hybridflow.training.ulysses import gather_routing, routing_index
 from hybridflow.utils.metrics import Max, Mean, Metric, Min, accumulate
 
 REPLAY_MODES = ("off", "rollout", "recompute")
@@ -57,11 +59,13 @@ def forward_token_index(module: torch.nn.Module, micro: DataProto, kind: str, re
 
 
 @contextlib.contextmanager
-def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str,
-                remove_padding: bool) -> Iterator[Optional[RoutingRecord]]:
+def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str, remove_padding: bool,
+                sp_group: Optional[dist.ProcessGroup] = None) -> Iterator[Optional[RoutingRecord]]:
     """Around one engine forward of ``micro``: yields None for a dense model; for an MoE model the
     :class:`~hybridflow.models.moe.RoutingRecord` of the forward, replaying ``micro``'s ``routed_experts`` when it
-    has that column.
+    has that column. ``sp_group``: the forward is Ulysses sequence-parallel (:mod:`hybridflow.training.ulysses`):
+    this rank replays (and records) the routing of its slice of the sequence only, and the record's ``mask`` marks
+    the slice's valid tokens.
 
     Raises:
         RoutingShapeError: the recorded routing does not fit the model (layers, top-k).
@@ -69,24 +73,31 @@ def moe_forward(module: torch.nn.Module, micro: DataProto, kind: str,
     if not routers(module):
         yield None
         return
-    replay = None
+    replay, index, valid = None, None, None
+    if sp_group is not None:
+        index, valid = routing_index(micro, remove_padding, sp_group)
     if ROUTING_KEY in micro.batch.keys():
-        index = forward_token_index(module, micro, kind, remove_padding)
+        index = forward_token_index(module, micro, kind, remove_padding) if index is None else index
         full = micro.batch[ROUTING_KEY]
         replay = full.reshape(-1, *full.shape[2:])[index.to(full.device)]
     with route(module, replay) as record:
         yield record
+    if valid is not None:
+        record.mask = valid.to(record.indices[0].device) if record.indices else None
 
 
 def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord], micro: Optional[DataProto] = None,
-                kind: str = "policy", remove_padding: bool = False) -> dict[str, torch.Tensor]:
+                kind: str = "policy", remove_padding: bool = False,
+                sp_group: Optional[dist.ProcessGroup] = None) -> dict[str, torch.Tensor]:
     """The engine outputs of an MoE forward: ``router_aux_loss`` (0-d fp32, with its graph when the forward had
     one; :func:`~hybridflow.models.moe.load_balancing_loss` over the forward's valid tokens), ``expert_load``
     (Ly, E) fp32, each layer's share of routed assignments per expert, and ``expert_load_ratio`` (0-d), the largest
     over the layers of max / min expert load (an expert that got no token counts as one assignment, so the ratio
     stays finite: at most the layer's assignment count); with ``micro.meta_info["record_routing"]`` also
     ``routed_experts`` (B, P+R, Ly, k) int16, the forward's own routing (:func:`routing_rectangle`; ``kind`` and
-    ``remove_padding`` as the engine ran it). Empty for a dense model or a forward that ran no router."""
+    ``remove_padding`` as the engine ran it; under sp (``sp_group``) gathered from every sp rank's slice: a
+    collective). Empty for a dense model or a forward that ran no router. Under sp the aux loss and the loads are
+    this rank's slice's (``router_aux_loss_coef`` > 0 with sp is refused at load)."""
     if record is None or not record.logits:
         return {}
     top_k = record.indices[0].shape[1]
@@ -99,7 +110,8 @@ def moe_outputs(module: torch.nn.Module, record: Optional[RoutingRecord], micro:
     out = {"router_aux_loss": load_balancing_loss(record.logits, top_k, mask), "expert_load": load,
            "expert_load_ratio": ratio}
     if micro is not None and micro.meta_info.get(RECORD_ROUTING):
-        out[ROUTING_KEY] = routing_rectangle(module, micro, kind, remove_padding, record)
+        out[ROUTING_KEY] = (routing_rectangle(module, micro, kind, remove_padding, record) if sp_group is None else
+                            gather_routing(record.stacked_indices(), micro, remove_padding, sp_group))
     return out
 
 

@@ -77,3 +77,13 @@ def test_log_names_every_role_and_marks_the_planned_ones(caplog):
     assert line == ("parallel layouts: actor train (dp=2, tp=2, pp=1) planned; actor generate (dp=4, tp=1, pp=1); "
                     "reference infer (dp=2, tp=2, pp=1); critic train (dp=4, tp=1, pp=1)")
     assert line in caplog.text
+
+
+def test_log_shows_ulysses_sp_where_a_role_splits_sequences():
+    # 4 ranks: the actor (and the reference on its layout) as dp=2 x sp=2, the critic as dp=1 x sp=4; generation
+    # never splits sequences
+    cfg = load_config("quickstart", FOUR + ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                            "critic.ulysses_sequence_parallel_size=4"])
+    assert log_layouts(cfg) == ("parallel layouts: actor train (dp=2, tp=1, pp=1, sp=2); actor generate (dp=4, tp=1, "
+                                "pp=1); reference infer (dp=2, tp=1, pp=1, sp=2); critic train (dp=1, tp=1, pp=1, "
+                                "sp=4)")

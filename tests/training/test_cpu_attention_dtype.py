@@ -1,5 +1,5 @@
 """bf16 training attention on CPU runs in fp32 when autograd will differentiate it (hybridflow/training/packing.py
-``_upcast_for_cpu_backward``): torch's CPU flash-attention backward is several times slower in bf16 than in fp32.
+``upcast_for_cpu_backward``): torch's CPU flash-attention backward is several times slower in bf16 than in fp32.
 
 Checked here: which dtype SDPA receives (fp32 with grad, the autocast dtype without: reference/old-logprob forwards
 and generation are untouched); the gradients stay those of the model (against an fp32 reference, within bf16

@@ -18,9 +18,12 @@ from torch.distributed.tensor import DTensor
 from hybridflow.distributed import apply_fsdp2, build_mesh
 from hybridflow.distributed.launch import spawn_ranks
 from hybridflow.protocol import DataProto
+from hybridflow.models.moe import ROUTING_KEY
 from hybridflow.training import FSDP2Engine, ParallelLayout
+from hybridflow.training.routing_replay import RECORD_ROUTING
 
 V, TOL = 97, 1e-5
+LAYERS, TOP_K, EXPERTS = 2, 2, 8  # the tiny MoE's
 
 
 def _config(kv_heads: int):
@@ -34,6 +37,14 @@ def _config(kv_heads: int):
 def _model(kind: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+    if kind == "moe":  # 4 query / 2 KV heads (sp=4 splits the query heads)
+        from tests.helpers.moe_models import tiny_moe
+
+        return tiny_moe(vocab_size=V, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    if kind == "vlm":
+        from tests.helpers.vlm import tiny_vlm
+
+        return tiny_vlm()[0]
     torch.manual_seed(0)
     if kind == "policy":  # GQA: 2 query heads per KV head
         return AutoModelForCausalLM.from_config(_config(2))
@@ -46,8 +57,41 @@ def _model(kind: str) -> torch.nn.Module:
     return model
 
 
-def _micro(seed: int, short: bool) -> DataProto:
-    """(3, 5+6) with 11, 5 and 5 valid tokens (left-padded prompts, right-padded responses), or (1, 3+2) with 2."""
+def _vlm_micro(seed: int) -> DataProto:
+    """3 rows of tests/training/test_vlm_training.py (2, 1 and 0 images; prompts of 17-23 tokens + 5 response
+    slots) with the carried mrope positions and per-row pixels, plus random loss ``weights``."""
+    from hybridflow.models import vlm
+    from tests.helpers.vlm import tiny_tokenizer, tiny_image_processor
+    from tests.training.test_vlm_training import _batch, _prompts
+
+    data, _ = _batch(vlm.ImageTextProcessor(tiny_image_processor(), tiny_tokenizer()), _prompts(), seed=seed)
+    data.batch["weights"] = torch.randn(data.batch["responses"].shape, generator=torch.Generator().manual_seed(seed))
+    return data
+
+
+def _with_routing(micro: DataProto, seed: int) -> DataProto:
+    """``micro`` with a random ``routed_experts`` column (B, L, Ly, k) int16 (k distinct experts per token)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (*micro.batch["input_ids"].shape, LAYERS)
+    first = torch.randint(0, EXPERTS, shape, generator=g)
+    second = (first + torch.randint(1, EXPERTS, shape, generator=g)) % EXPERTS
+    micro.batch[ROUTING_KEY] = torch.stack([first, second], dim=-1).to(torch.int16)
+    return micro
+
+
+def _micro(seed: int, short: bool, model: str = "dense") -> DataProto:
+    """(3, 5+6) with 11, 5 and 5 valid tokens (left-padded prompts, right-padded responses), or (1, 3+2) with 2;
+    ``model``: ``vlm`` an image batch (:func:`_vlm_micro`); ``moe``/``replay`` asks for the forward's routing, and
+    ``replay`` adds a ``routed_experts`` column to replay."""
+    if model == "vlm":
+        return _vlm_micro(seed)
+    micro = _text_micro(seed, short)
+    if model in ("moe", "replay"):
+        micro.meta_info[RECORD_ROUTING] = True
+    return _with_routing(micro, seed) if model == "replay" else micro
+
+
+def _text_micro(seed: int, short: bool) -> DataProto:
     g = torch.Generator().manual_seed(seed)
     if short:
         mask = torch.tensor([[0, 0, 1, 1, 0]])
@@ -83,27 +127,42 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
 
 
+def _compare(kind: str, mine: DataProto, got: dict, want: dict, report: list) -> None:
+    """Per-token outputs at the response tokens; a recorded routing at every valid token (mismatch count)."""
+    assert set(got) == set(want)
+    mask = mine.batch["response_mask"].bool()
+    for name in ("log_probs", "entropy", "values"):
+        if name in want:
+            assert got[name].shape == want[name].shape
+            report.append((f"{kind} {name}", float((got[name] - want[name])[mask].abs().max())))
+    if ROUTING_KEY in want:  # the rank's own routing gathered over the sp group = the sp=1 forward's
+        valid = mine.batch["attention_mask"].bool()
+        report.append((f"{kind} routing", float((got[ROUTING_KEY] != want[ROUTING_KEY])[valid].sum())))
+        if ROUTING_KEY in mine.batch.keys():  # replayed: every rank routed its slice as the column says
+            report.append((f"{kind} replayed", float((got[ROUTING_KEY] != mine.batch[ROUTING_KEY])[valid].sum())))
+
+
 def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, short: bool, report: list,
-           sharded: bool = False) -> None:
+           sharded: bool = False, model: str = "dense") -> None:
+    """``kind``: the engine's; ``model``: dense (the Llama of ``kind``), moe, replay (moe + a routing to replay),
+    vlm (2 heads: sp=2 only) or checkpointed (the dense policy with gradient checkpointing)."""
     dp = world // sp
-    micros = [_micro(100 * d + int(short), short) for d in range(dp)]
-    model = _model(kind)
-    ref = _engine(copy.deepcopy(model), kind, remove_padding)  # sp=1, one rank, every dp group's micro-batch
-    engine = _engine(model, kind, remove_padding, build_mesh(dp=world), sp, sharded)
-    model = engine.module
+    micros = [_micro(100 * d + int(short), short, model) for d in range(dp)]
+    module = _model(kind if model in ("dense", "checkpointed") else "moe" if model == "replay" else model)
+    if model == "checkpointed":  # the backward recomputes each layer's forward (attention too) from its inputs
+        module.gradient_checkpointing_enable()
+    ref = _engine(copy.deepcopy(module), kind, remove_padding)  # sp=1, one rank, every dp group's micro-batch
+    engine = _engine(module, kind, remove_padding, build_mesh(dp=world), sp, sharded)
+    module = engine.module
     assert engine.layout == ParallelLayout(dp=dp, sp=sp)
     mine = micros[engine.layout.coords(rank)[0]]
-    mask = mine.batch["response_mask"].bool()
+    kind = kind if model == "dense" else f"{model} padded={not remove_padding}"
     for e in (engine, ref):
         e.set_train(False)
     with torch.no_grad():
-        got, want = engine.forward(mine, entropy=True), ref.forward(mine, entropy=True)
-    assert set(got) == set(want)
-    assert model.config._attn_implementation == "hybridflow_ulysses"  # the sp attention ran, not plain sdpa
-    for name in got:
-        assert got[name].shape == want[name].shape
-        report.append((f"{kind} {name}", float((got[name] - want[name])[mask].abs().max())))
-    before = [_full(p) for p in model.parameters()]
+        _compare(kind, mine, engine.forward(mine, entropy=True), ref.forward(mine, entropy=True), report)
+    assert module.config._attn_implementation == "hybridflow_ulysses"  # the sp attention ran, not plain sdpa
+    before = [_full(p) for p in module.parameters()]
     for e in (engine, ref):
         e.set_train(True)
         e.zero_grad()
@@ -111,8 +170,9 @@ def _check(rank: int, world: int, sp: int, kind: str, remove_padding: bool, shor
     ref_losses = [ref.forward_backward(m, lambda out, m=m: _loss(m, out) / dp, entropy=True) for m in micros]
     report.append((f"{kind} loss", abs(float(loss) / dp - float(ref_losses[micros.index(mine)]))))
     engine.optimizer_step()  # averages the gradients over the dp x sp ranks, then steps
-    grads = [b - _full(p) for b, p in zip(before, model.parameters())]
-    report.append((f"{kind} grad", max(float((g - r.grad).abs().max()) for g, r in zip(grads, ref.module.parameters()))))
+    grads = [b - _full(p) for b, p in zip(before, module.parameters())]
+    report.append((f"{kind} grad", max(float((g - r.grad).abs().max())
+                                       for g, r in zip(grads, ref.module.parameters()) if r.grad is not None)))
     assert max(float(r.grad.abs().max()) for r in ref.module.parameters()) > 1e-3  # gradients are not trivially 0
 
 
@@ -125,9 +185,14 @@ def _ranks(rank: int, layouts: list[int]) -> None:
                 for short in (False, True):
                     _check(rank, world, sp, kind, remove_padding, short, report)
         _check(rank, world, sp, "policy", True, False, report, sharded=True)  # FSDP2 shards over dp x sp
+        models = ("moe", "replay", "vlm", "checkpointed") if world == 2 else ("moe", "replay") if sp == 2 else ()
+        for model in models:
+            for remove_padding in (False, True):
+                _check(rank, world, sp, "policy", remove_padding, False, report, model=model)
         worst = max(diff for _, diff in report)
         if rank == 0:
             print(f"world={world} sp={sp}: max abs diff {worst:.2e}", flush=True)
+            print("\n".join(f"  {name}: {diff:.2e}" for name, diff in report if " padded=" in name), flush=True)
         assert worst <= TOL, [r for r in report if r[1] > TOL]
 
 
@@ -146,3 +211,21 @@ def test_layout_rank_order_and_collectors():
     assert all(layout.rank_of(*[layout.coords(r)[i] for i in (0, 1, 2)], sp_rank=layout.sp_rank(r)) == r
                for r in range(8))
     assert layout.weight_layout() == ParallelLayout(dp=4, tp=2)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "flash_attention_2"])
+def test_other_attention_is_refused_in_one_line_naming_the_key(implementation):
+    from transformers import AutoModelForCausalLM
+
+    from hybridflow.training.ulysses import UlyssesAttentionError, check_ulysses_attention
+
+    model = AutoModelForCausalLM.from_config(_config(2))
+    model.config._attn_implementation = implementation  # as a model without sdpa support (or a flash kernel) runs
+    check_ulysses_attention(model, 1, "critic")  # sp=1: any attention
+    with pytest.raises(UlyssesAttentionError) as err:
+        check_ulysses_attention(model, 2, "critic")
+    assert str(err.value) == ("critic.ulysses_sequence_parallel_size=2: Ulysses sequence parallelism wraps sdpa "
+                              f"attention, but the critic model runs attn_implementation='{implementation}' (not "
+                              "supported under sp yet)")
+    model.config._attn_implementation = "sdpa"
+    check_ulysses_attention(model, 2, "actor")
