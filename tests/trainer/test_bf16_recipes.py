@@ -18,7 +18,7 @@ Every shipped recipe runs (``grpo``, ``rloo``, ``reinforce_pp`` and ``drgrpo`` s
 driver and differ in the advantage estimator, the loss aggregation and where the KL enters: loss or reward).
 ``quickstart`` runs with the vLLM rollout (its fsdp2 critic is also in ``safe_rlhf``), ``megatron_quickstart`` is
 the quickstart on megatron (2 pipeline stages) with the hf rollout, and ``moe_grpo_quickstart`` (the mixture-of-experts
-tiny-moe) runs with routing replay.
+tiny-moe) runs with routing replay, with the hf and with the vLLM rollout.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ RUNS = {
     "safe_rlhf_quickstart": ("safe_rlhf_quickstart", [], None),
     # the MoE policy with routing replay: the trainer routes as the rollout did, so the gap stays at bf16 rounding
     "moe_grpo_quickstart": ("moe_grpo_quickstart", ["actor_rollout_ref.actor.router_replay=rollout"], None),
+    # the same with the vLLM rollout: the engine records the routing (rollout/vllm_routing.py), the trainer replays it
+    "moe_vllm": ("moe_grpo_quickstart", ["actor_rollout_ref.rollout.name=vllm",
+                                         "actor_rollout_ref.actor.router_replay=rollout"], "vllm"),
 }
 
 
