@@ -2,7 +2,7 @@
 line naming the keys, as the other ``*_problems`` checks of :mod:`hybridflow.config.checks`.
 
 What records and replays a routing is registration metadata, not a name table here: a rollout backend registered
-with ``records_routing=True`` (hf) records each token's experts; a training engine registered with
+with ``records_routing=True`` (hf, vllm) records each token's experts; a training engine registered with
 ``router_replay=(modes...)`` replays them (fsdp2: ``rollout`` and ``recompute``; megatron: ``rollout``).
 """
 

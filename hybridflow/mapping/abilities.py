@@ -17,7 +17,10 @@ What hybridflow's workers run today (``hybridflow/workers``):
   pp = 1, tp = 1;
 - the actor, reference and critic may split each sequence over sp of their dp ranks (Ulysses,
   ``*.ulysses_sequence_parallel_size``; pp = tp = 1), never while generating
-  (:mod:`hybridflow.mapping.sequence_parallel`).
+  (:mod:`hybridflow.mapping.sequence_parallel`);
+- no role runs expert parallelism on fsdp2 (``ep_roles`` empty): an MoE model's experts shard with FSDP like any
+  weight. Megatron-LM (``unrestricted``, the paper's system) runs it for every role
+  (``expert_model_parallel_size``; :mod:`hybridflow.mapping.expert_parallel`).
 
 TODO(merge): hybridflow/training (the TrainEngine registry) will carry each engine's abilities as registry
 metadata (e.g. ``max_pp=1`` for fsdp2); ``ENGINE_ABILITIES`` below is the stand-in until then, and the only
@@ -48,6 +51,8 @@ class Abilities:
             training layout.
         sp_roles: roles that can split sequences with Ulysses sequence parallelism (``Layout.sp > 1``) in training
             and forward passes, never in generation, with pp = tp = 1 (empty: none).
+        ep_roles: roles whose MoE experts can be split over ``Layout.ep`` data ranks (expert parallelism) in
+            training and forward passes (None: every role; empty: none).
     """
 
     name: str
@@ -56,6 +61,7 @@ class Abilities:
     tp_roles: frozenset[str] | None = None
     reference_with_actor: bool = False
     sp_roles: frozenset[str] = frozenset()
+    ep_roles: frozenset[str] | None = None
 
     def layout_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
         """Why ``role`` cannot run on ``layout`` (its generation layout with ``generate``), or None if it can."""
@@ -65,7 +71,17 @@ class Abilities:
             return f"pp > {limit}: {self.name} has no pipeline parallelism for {what} (max_pp={limit})"
         if not generate and layout.tp > 1 and self.tp_roles is not None and role not in self.tp_roles:
             return f"tp > 1 for {role}: its {self.name} worker shards over data parallelism only (tp=1)"
-        return self.sp_reason(role, layout, generate)
+        return self.sp_reason(role, layout, generate) or self.ep_reason(role, layout, generate)
+
+    def ep_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
+        """Why ``role`` cannot split its experts over ``layout.ep`` ranks, or None if it can (or ``ep == 1``)."""
+        if layout.ep == 1:
+            return None
+        if generate or (self.ep_roles is not None and role not in self.ep_roles):
+            return f"ep > 1 for {role}{' generation' if generate else ''}: {self.name} has no expert parallelism there"
+        if layout.dp % layout.ep or layout.sp > 1:
+            return f"ep={layout.ep} needs ep dividing dp and sp = 1, got {layout}"
+        return None
 
     def sp_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
         """Why ``role`` cannot split sequences over ``layout.sp`` ranks, or None if it can (or ``sp == 1``)."""
@@ -91,7 +107,8 @@ class Abilities:
 # the reference inside the actor's process. Values from the workers' code (see the module docstring).
 ENGINE_ABILITIES: dict[str, Abilities] = {
     "fsdp2": Abilities("fsdp2", max_pp=1, max_gen_pp=1, tp_roles=frozenset({"actor", "reference"}),
-                       reference_with_actor=True, sp_roles=frozenset({"actor", "reference", "critic"})),
+                       reference_with_actor=True, sp_roles=frozenset({"actor", "reference", "critic"}),
+                       ep_roles=frozenset()),
 }
 UNRESTRICTED = Abilities("unrestricted")
 

@@ -40,11 +40,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from hybridflow.mapping.expert_cost import param_shards
 from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload, ceil_div
 
 __all__ = [
     "CostParams", "GenerateEstimate", "Layout", "activation_bytes_infer", "activation_bytes_train",
-    "allgather_time", "allreduce_time", "compute_time", "contended", "forward_flops", "fsdp_units",
+    "allgather_time", "allreduce_time", "compute_time", "contended", "ep_comm_time", "forward_flops", "fsdp_units",
     "gen_extra_weight_bytes", "generate_kv_bytes_per_sequence", "generate_time", "infer_time", "kv_cache_bytes",
     "layer_fixed_time", "layer_passes", "model_state_bytes", "p2p_time", "rank_share", "reshard_time",
     "train_flops", "train_time",
@@ -58,12 +59,14 @@ LOGIT_BYTES = 4  # logits (and their gradient) are computed in fp32
 class Layout:
     """Parallel sizes of one model: ``pp`` pipeline stages x ``tp`` tensor shards x ``dp`` data replicas, of which
     ``sp`` (a divisor of dp; Ulysses sequence parallelism) share each sequence: dp / sp data groups, each sequence's
-    tokens split over sp ranks (the weights still shard over all dp ranks)."""
+    tokens split over sp ranks (the weights still shard over all dp ranks), and ``ep`` (a divisor of dp; expert
+    parallelism of an MoE model, :mod:`hybridflow.mapping.expert_cost`) hold experts / ep each."""
 
     pp: int = 1
     tp: int = 1
     dp: int = 1
     sp: int = 1
+    ep: int = 1
 
     @property
     def size(self) -> int:
@@ -74,7 +77,8 @@ class Layout:
         return [self.pp, self.tp, self.dp]
 
     def __str__(self) -> str:
-        return f"pp{self.pp} tp{self.tp} dp{self.dp}" + (f" sp{self.sp}" if self.sp > 1 else "")
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp}" + (f" sp{self.sp}" if self.sp > 1 else "")
+                + (f" ep{self.ep}" if self.ep > 1 else ""))
 
     @property
     def data_groups(self) -> int:
@@ -287,6 +291,18 @@ def sp_comm_time(model: ModelSpec, layout: Layout, passes: int, micro_batches: i
     return count * allgather_time(nbytes, layout.sp, layout.tp, cluster)
 
 
+def ep_comm_time(model: ModelSpec, layout: Layout, passes: int, micro_batches: int, tokens_per_micro: int,
+                 cluster: ClusterSpec) -> float:
+    """Expert all-to-alls of one device (:mod:`hybridflow.mapping.expert_cost`): per MoE layer of its stage and per
+    pass (forward 1, training 3), dispatch and combine of its 1/sp of the tokens' ``experts_per_token`` routed
+    hidden states (/ tp), each costed as an all-gather of that size over the ep group (ranks tp apart)."""
+    if layout.ep == 1 or not model.experts:
+        return 0.0
+    nbytes = tokens_per_micro / layout.sp * model.experts_per_token * model.hidden * cluster.device.dtype_bytes
+    count = math.ceil(model.layers / layout.pp) * 2 * passes * micro_batches
+    return count * allgather_time(nbytes / layout.tp, layout.ep, layout.tp, cluster)
+
+
 def p2p_time(nbytes: float, stride: int, cluster: ClusterSpec) -> float:
     """Seconds for every device to send ``nbytes`` to the device ``stride`` ranks away (pipeline neighbours):
     over the node's links when the neighbour shares the node, else over the node's network, which all of the
@@ -350,14 +366,17 @@ def train_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     micro_total = micro_per_step * updates * epochs
     comm = (_tp_comm(model, layout, 6 if params.recompute else 4, micro_total, micro_batch * seq_len, cluster)
             + sp_comm_time(model, layout, 3, micro_total, micro_batch * seq_len, cluster)
+            + ep_comm_time(model, layout, 3, micro_total, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 2, micro_total, micro_batch * seq_len, cluster)
             + layer_fixed_time(model, layout, micro_total, layer_passes("train", params.recompute), params))
     if params.zero_stage >= 3:
         comm += _fsdp_comm(model, layout, 3, micro_total, cluster, params)
         sync = 0.0
     else:
-        grad_bytes = model.n_params / (layout.tp * layout.pp) * dev.dtype_bytes
-        sync = allreduce_time(grad_bytes, layout.dp, layout.tp, cluster)
+        dense, expert = param_shards(model, layout)  # the experts' gradients sync over dp / ep (expert_cost.py)
+        sync = allreduce_time(dense * dev.dtype_bytes, layout.dp, layout.tp, cluster)
+        if expert:
+            sync += allreduce_time(expert * dev.dtype_bytes, layout.dp // layout.ep, layout.tp * layout.ep, cluster)
     pipe = (compute + comm) * _bubble(micro_per_step, layout.pp)
     return pipe + sync * updates * epochs + params.call_overhead_s
 
@@ -375,6 +394,7 @@ def infer_time(model: ModelSpec, layout: Layout, sequences: int, seq_len: int, c
     compute = flops / (dev.peak_flops * params.infer_mfu)
     comm = (_tp_comm(model, layout, 2, micro, micro_batch * seq_len, cluster)
             + sp_comm_time(model, layout, 1, micro, micro_batch * seq_len, cluster)
+            + ep_comm_time(model, layout, 1, micro, micro_batch * seq_len, cluster)
             + _pp_comm(model, layout, 1, micro, micro_batch * seq_len, cluster)
             + layer_fixed_time(model, layout, micro, layer_passes("infer", False), params))
     if params.zero_stage >= 3:
@@ -500,14 +520,20 @@ def model_state_bytes(model: ModelSpec, layout: Layout, trained: bool, dtype_byt
                       params: CostParams) -> dict[str, float]:
     """Persistent bytes per device: ``weights``, ``grads`` and ``optimizer`` (zero for a model that is not
     trained). The model is split N / (tp·pp) per device; ZeRO stage z further divides by dp the optimizer
-    (z >= 1), gradients (z >= 2) and weights (z >= 3, also for inference-only models)."""
-    shard = model.n_params / (layout.tp * layout.pp)
-    z, dp = params.zero_stage, layout.dp
-    weights = shard * dtype_bytes / (dp if z >= 3 else 1)
+    (z >= 1), gradients (z >= 2) and weights (z >= 3, also for inference-only models). With expert parallelism
+    (``layout.ep``) an MoE model's experts are split over ep more ranks and ZeRO shards them over dp / ep
+    (:mod:`hybridflow.mapping.expert_cost`)."""
+    dense, expert = param_shards(model, layout)
+    z, dp, edp = params.zero_stage, layout.dp, layout.dp // layout.ep
+
+    def per_device(bytes_per_param: float, stage: int) -> float:
+        return bytes_per_param * (dense / (dp if z >= stage else 1) + expert / (edp if z >= stage else 1))
+
+    weights = per_device(dtype_bytes, 3)
     if not trained:
         return {"weights": weights, "grads": 0.0, "optimizer": 0.0}
-    grads = shard * dtype_bytes / (dp if z >= 2 else 1)
-    optimizer = shard * params.optimizer_bytes_per_param(dtype_bytes) / (dp if z >= 1 else 1)
+    grads = per_device(dtype_bytes, 2)
+    optimizer = per_device(params.optimizer_bytes_per_param(dtype_bytes), 1)
     return {"weights": weights, "grads": grads, "optimizer": optimizer}
 
 

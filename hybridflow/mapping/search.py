@@ -74,6 +74,7 @@ from hybridflow.mapping.plans import (
     set_partitions,
     set_sizes,
 )
+from hybridflow.mapping.expert_parallel import ep_layouts, ep_phase_note
 from hybridflow.mapping.sequence_parallel import sp_layouts, sp_note
 from hybridflow.mapping.specs import ClusterSpec, ModelSpec, SpecError, Workload, ceil_div, divisors
 
@@ -193,7 +194,8 @@ class MappingSearch:
                 if pp <= pp_cap and model.layers % pp == 0:
                     out.append(Layout(pp, tp, n // (tp * pp)))
         kept = self._able(role, out, generate=False)
-        self._layouts[(role, n)] = kept + sp_layouts(role, model, kept, self.abilities)  # long sequences: sp > 1
+        self._layouts[(role, n)] = (kept + sp_layouts(role, model, kept, self.abilities)  # long sequences: sp > 1
+                                    + ep_layouts(role, model, kept, self.abilities))  # MoE: experts over ep ranks
         if role == "actor":
             self._layouts[("actor:generate", n)] = self._able(role, out, generate=True)
         return self._layouts[(role, n)]
@@ -251,6 +253,8 @@ class MappingSearch:
                 tokens = (wl.micro_batch if w.kind == "train" else wl.infer_micro_batch) * wl.seq_len
                 note = "" if layout.sp == 1 else sp_note(role, w.kind, layout, tokens, act1, act,
                                                          sum(states.values()), self.usable)
+                note = note or ep_phase_note(role, w.kind, model, layout, w.sequences, wl, cluster, p, trained,
+                                             self.usable)  # MoE: why ep > 1
                 phases.append(PhaseEstimate(role, w.kind, w.stage, layout, t, w.sequences, note=note))
                 transient = max(transient, act)
             memory = RoleMemory(role, layout, states["weights"], states["grads"], states["optimizer"], transient)

