@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.models.moe import ROUTING_KEY, RoutingRecord, expert_load, load_balancing_loss, route, routers
+from hybridflow.errors import UserError
 from hybridflow.protocol import DataProto
 from hybridflow.training.packing import padded_columns, use_varlen_attention
 from hybridflow.training.shared_prompt import shared_prompt_layout
@@ -143,6 +144,10 @@ def routing_rectangle(module: torch.nn.Module, micro: DataProto, kind: str, remo
     return out.view(*mask.shape, *stacked.shape[1:])
 
 
+class MissingRoutingError(UserError, ValueError):
+    """Routing replay asked for on a batch that carries no recorded routing."""
+
+
 def replay_view(data: DataProto, mode: str) -> DataProto:
     """``data`` as the forwards of ``actor.router_replay=mode`` see it: ``data`` itself for ``rollout``, else
     without the ``routed_experts`` column (a view sharing the tensors; ``data`` is unchanged). The update of
@@ -150,9 +155,15 @@ def replay_view(data: DataProto, mode: str) -> DataProto:
 
     Raises:
         ValueError: ``mode`` is not one of :data:`REPLAY_MODES`.
+        MissingRoutingError: ``rollout`` on a batch without the ``routed_experts`` column (the replay would
+            silently not happen: a dense model, or a rollout that recorded nothing).
     """
     if mode not in REPLAY_MODES:
         raise ValueError(f"actor.router_replay must be one of {', '.join(REPLAY_MODES)}, got {mode!r}")
+    if mode == "rollout" and ROUTING_KEY not in data.batch.keys():
+        raise MissingRoutingError(f"actor.router_replay={mode} but the batch has no {ROUTING_KEY} column: the rollout "
+                                  "recorded no routing (a dense model, or a rollout path that does not record); set "
+                                  "actor_rollout_ref.actor.router_replay=off")
     if mode == "rollout" or ROUTING_KEY not in data.batch.keys():
         return data
     return data.select(batch_keys=[k for k in data.batch.keys() if k != ROUTING_KEY])

@@ -49,13 +49,20 @@ def test_aux_loss_coef_adds_transformers_load_balancing_gradient():
 def test_router_replay_decides_whether_the_routing_is_replayed(replay):
     actor, _ = _actor(0.0, replay)
     data = padded_micro()
-    own = actor.compute_log_prob(data, 4)[0]
+    own = _actor(0.0)[0].compute_log_prob(data, 4)[0]  # the same weights routing by their own top-k
     data.batch[ROUTING_KEY] = torch.zeros(4, P + R, 2, 2, dtype=torch.int16)
     data.batch[ROUTING_KEY][..., 1] = 7  # every token to experts 0 and 7
     got = actor.compute_log_prob(data, 4)[0]
     valid = data.batch["response_mask"].bool()
     moved = (got - own)[valid].abs().max().item()
     assert (moved == 0.0) if replay == "off" else (moved > 1e-3)
+
+
+def test_replay_without_a_recorded_routing_is_refused_in_one_line():
+    from hybridflow.training.routing_replay import MissingRoutingError
+
+    with pytest.raises(MissingRoutingError, match="router_replay=rollout but the batch has no routed_experts column"):
+        _actor(0.0, "rollout")[0].compute_log_prob(padded_micro(), 4)
 
 
 def test_recompute_records_the_old_logprob_routing_and_the_update_replays_it():
