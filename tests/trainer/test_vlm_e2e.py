@@ -1,21 +1,19 @@
 """End to end with a vision-language model: every algorithm driver runs 2 steps on the built-in image task
 (``builtin:vlm-count`` with the shipped ``builtin:tiny-vlm``, a Qwen2.5-VL-architecture model), in fp32, one run
 after the other in one process and one Ray cluster through ``run_ppo``: PPO with a critic on the VLM backbone
-(GAE), GRPO, RLOO, ReMax, DAPO (dynamic sampling + overlong penalty), the async driver and LoRA; plus GRPO from a
-parquet file of image rows (verl's ``images`` column) on a random tiny VLM dir. Each run asserts:
+(GAE), GRPO, RLOO, ReMax, DAPO (dynamic sampling + overlong penalty), the async driver and LoRA; GRPO reads
+the task's rows from parquet files (verl's ``images`` column) and forwards padding-free. Each run asserts:
 
 * both steps ran and every logged value is finite; ``val/score`` at step 2 is a score in [0, 1];
 * the rollout samples from the policy the trainer recomputes: ``rollout/logprob_diff_max`` <= 1e-4 (fp32: the
-  hf rollout's KV-cache decode against the trainer's one padding-free forward over prompt image + text);
+  hf rollout's KV-cache decode against the trainer's one forward over prompt image + text);
 * the reference equals the actor before the first update (``rollout/kl`` at step 1 is 0 up to summation
   order) and the update moves the policy (``rollout/kl`` at step 2 is not 0; recipes without a KL term get a
-  reference whose KL loss weighs 0, so the KL is measured and the loss is the recipe's). Not for the parquet
-  run: its random policy scores 0 on every sample, so every GRPO advantage is 0 and nothing moves.
+  reference whose KL loss weighs 0, so the KL is measured and the loss is the recipe's).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -28,7 +26,7 @@ import pytest
 
 from hybridflow.config import load_config
 from hybridflow.trainer.main import run_ppo
-from tests.helpers.vlm import random_image, save_tiny_vlm
+from hybridflow.data.vlm_task import make_vlm_rows
 
 pytestmark = pytest.mark.slow
 logger = logging.getLogger(__name__)
@@ -52,7 +50,8 @@ RUNS = {
     # the critic is the VLM with a scalar head (it reads the image too); 2 ranks: the fsdp2 path with 2 shards
     "ppo_critic": ("quickstart", ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                                   "critic.ppo_mini_batch_size=4"]),
-    "grpo": ("grpo_quickstart", GROUP),  # KL as a loss term
+    # KL as a loss term; the rows from parquet files (_parquet_overrides), packed forwards (4-row mrope positions)
+    "grpo": ("grpo_quickstart", [*GROUP, "actor_rollout_ref.model.use_remove_padding=true"]),
     "rloo": ("rloo_quickstart", GROUP),  # KL in the reward
     "remax": ("remax_quickstart", []),  # + a greedy generation per prompt (the baseline)
     "dapo": ("dapo_quickstart", [*GROUP, *NO_KL_RECIPE, "reward_model.overlong_buffer.len=4"]),
@@ -62,27 +61,14 @@ RUNS = {
 }
 
 
-def _image_rows(count: int) -> list[dict]:
-    """Parquet rows in verl's convention: chat messages with an ``<image>`` placeholder, PNG bytes in ``images``."""
-    rows = []
-    for i in range(count):
-        buf = io.BytesIO()
-        random_image(56, 28 * (1 + i % 3), i).save(buf, format="PNG")  # 4, 2 and 6 image tokens
-        rows.append({"data_source": "hybridflow/arith",
-                     "prompt": [{"role": "user", "content": f"<image>What is {i} + 1?"}],
-                     "images": [{"bytes": buf.getvalue(), "path": None}],
-                     "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}})
-    return rows
-
-
 def _parquet_overrides(root) -> list[str]:
-    model = save_tiny_vlm(str(root / "random_vlm"))
-    train, val = root / "train.parquet", root / "val.parquet"
-    pq.write_table(pa.Table.from_pylist(_image_rows(8)), train)
-    pq.write_table(pa.Table.from_pylist(_image_rows(4)), val)
-    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
-            "data.max_prompt_length=48", "data.max_response_length=6", "actor_rollout_ref.model.use_remove_padding=true",
-            *GROUP]
+    """The GRPO run reads the image task from parquet files in verl's convention (chat messages with an ``<image>``
+    placeholder, PNG bytes in the ``images`` column) instead of the builtin generator."""
+    files = {}
+    for split, count in (("train", 16), ("val", 4)):
+        files[split] = root / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist(make_vlm_rows(split, count, seed=1)), files[split])
+    return [f"data.train_files={files['train']}", f"data.val_files={files['val']}"]
 
 
 def _run(name: str, recipe: str, overrides: list[str], root) -> dict:
@@ -99,16 +85,14 @@ def _run(name: str, recipe: str, overrides: list[str], root) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(ray_session, tmp_path_factory):
-    """Every run of :data:`RUNS` and the parquet run, one after the other in this process (one Ray cluster)."""
+    """Every run of :data:`RUNS`, one after the other in this process (one Ray cluster)."""
     root = tmp_path_factory.mktemp("vlm_e2e")
-    results = {name: _run(name, recipe, overrides, root) for name, (recipe, overrides) in RUNS.items()}
-    results["grpo_parquet"] = _run("grpo_parquet", "grpo_quickstart", _parquet_overrides(root), root)
+    parquet = _parquet_overrides(root)
+    results = {name: _run(name, recipe, overrides + (parquet if name == "grpo" else []), root)
+               for name, (recipe, overrides) in RUNS.items()}
     for name, result in results.items():
         logger.info("vlm e2e %s: %s", name, f"{result['seconds']:.1f} s" if "seconds" in result else "failed")
     return results
-
-
-NAMES = [*RUNS, "grpo_parquet"]
 
 
 def _train_rows(runs, name) -> list[dict]:
@@ -117,7 +101,7 @@ def _train_rows(runs, name) -> list[dict]:
     return [r for r in result["rows"] if "actor/pg_loss" in r]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(RUNS))
 def test_both_steps_run_and_every_value_is_finite(name, runs):
     train = _train_rows(runs, name)
     assert [r["step"] for r in train] == [1, 2]
@@ -128,7 +112,7 @@ def test_both_steps_run_and_every_value_is_finite(name, runs):
     assert last["step"] == 2 and 0.0 <= last["val/score"] <= 1.0
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", list(RUNS))
 def test_rollout_logprobs_equal_the_trainer_s_recomputation(name, runs):
     train = _train_rows(runs, name)
     # async: step 2 trains on samples of the previous policy version: their gap is the update, not rounding
@@ -136,7 +120,6 @@ def test_rollout_logprobs_equal_the_trainer_s_recomputation(name, runs):
         assert 0.0 <= row["rollout/logprob_diff_max"] <= LOGPROB_ATOL, (row["step"], row["rollout/logprob_diff_max"])
 
 
-# the parquet run's random policy never answers right: every GRPO advantage is 0 and the policy stays put
 @pytest.mark.parametrize("name", list(RUNS))
 def test_kl_is_zero_before_the_first_update_and_the_update_moves_the_policy(name, runs):
     first, second = _train_rows(runs, name)
