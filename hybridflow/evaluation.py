@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from hybridflow.data.dataset import RLHFDataset, collate_fn, first_rows, load_rows
+from hybridflow.data.multimodal import MultimodalDataset, collate_multimodal, vision_dataset
 from hybridflow.distributed import resolve_dtype
 from hybridflow.errors import EvalInterrupted
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer, model_positions
@@ -122,7 +123,7 @@ def evaluate(
     score = reward_scorer(tokenizer, compute_score, error_score, plugins, reward_timeout_s)  # before data, model
     rows = first_rows(load_rows(files, prompt_key), max_samples, "max_samples")
     dataset = prompt_dataset(rows, tokenizer, max_prompt_length, prompt_key, truncation,
-                             check_sources=compute_score == "default")
+                             check_sources=compute_score == "default", model_path=model_path)
     data = _collate(dataset, tokenizer, files)
     _check_positions(model_path, trust_remote_code, data.batch["input_ids"].shape[1], max_response_length)
     torch_dtype = resolve_dtype(dtype, device)
@@ -145,15 +146,20 @@ def evaluate(
 
 
 def prompt_dataset(rows: list[dict], tokenizer: Any, max_prompt_length: Optional[int], prompt_key: str = "prompt",
-                   truncation: str = "error", check_sources: bool = True) -> RLHFDataset:
-    """The prompts of ``rows`` as training reads them (:class:`RLHFDataset`: chat template, truncation), after
-    checking (with ``check_sources``: the rule rewards score them) that every row's ``data_source`` has a reward
-    (before any model loads).
+                   truncation: str = "error", check_sources: bool = True,
+                   model_path: Optional[str] = None) -> RLHFDataset:
+    """The prompts of ``rows`` as training reads them (:class:`RLHFDataset`: chat template, truncation; rows with
+    images for the vision-language model at ``model_path``: its :class:`MultimodalDataset`, images processed once,
+    no truncation), after checking (with ``check_sources``: the rule rewards score them) that every row's
+    ``data_source`` has a reward (before any model loads).
 
     Raises:
-        DataError: a bad row, or a ``data_source`` without a registered reward.
+        DataError: a bad row, or a ``data_source`` without a registered reward; ``ImageError`` (a DataError): a bad
+            image, or images for a model that is not a VLM.
     """
-    dataset = RLHFDataset(rows, tokenizer, max_prompt_length or sys.maxsize, prompt_key, truncation)
+    limit = max_prompt_length or sys.maxsize
+    dataset = vision_dataset(rows, tokenizer, model_path, limit, prompt_key) if model_path else None
+    dataset = dataset or RLHFDataset(rows, tokenizer, limit, prompt_key, truncation)
     if check_sources:
         check_data_sources(rows)
     return dataset
@@ -278,7 +284,10 @@ def _collate(dataset: RLHFDataset, tokenizer: Any, files: list[str]) -> DataProt
     """Every prompt of ``dataset`` as one left-padded DataProto. Raises ValueError: no prompts (all filtered)."""
     if len(dataset) == 0:
         raise ValueError(f"no prompts to evaluate in {files}")
-    return collate_fn([dataset[i] for i in range(len(dataset))], tokenizer.pad_token_id)
+    features = [dataset[i] for i in range(len(dataset))]
+    if isinstance(dataset, MultimodalDataset):  # + mrope positions and the per-row images (the hf rollout's inputs)
+        return collate_multimodal(features, tokenizer.pad_token_id, dataset.image_token_id, dataset.merge_size)
+    return collate_fn(features, tokenizer.pad_token_id)
 
 
 def _check_positions(model_path: str, trust_remote_code: bool, prompt_length: int, max_response_length: int) -> None:

@@ -42,6 +42,7 @@ from hybridflow.controller import Dispatch, Execute, Worker, register
 from hybridflow.distributed.weight_sync import WeightTransferGroup, layout_of, open_store
 from hybridflow.distributed import init_distributed, resolve_dtype
 from hybridflow.engine import HybridEngine
+from hybridflow.engine.gen_precision import generation_autocast
 from hybridflow.models.hf import get_eos_token_ids, load_causal_lm, load_tokenizer
 from hybridflow.models import lora as lora_lib
 from hybridflow.models import lora_sync
@@ -299,7 +300,8 @@ class ActorRolloutRefWorker(Worker):
         peers of a generation group get the same prompts and seed and decode in lockstep."""
         self._sync_rollout_weights()
         gen_dp_rank = self._query_dispatch_info("rollout")[0]
-        out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
+        with generation_autocast(self.engine):  # the trainer's compute dtype (dtype=auto: bf16 over fp32 weights)
+            out = generate(self.rollout, with_rank_seed(prompts, gen_dp_rank), self.multi_turn)
         if self.sync_metrics:
             out.meta_info["sync_metrics"] = lora_sync.probe_metric_kinds(self.sync_metrics)
         if self.engine is not None:

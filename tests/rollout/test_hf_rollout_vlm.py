@@ -139,3 +139,46 @@ def test_multi_turn_context_with_images_matches_trainer():
         worst = max(worst, (lp[i, k:k + m] - out.batch["rollout_log_probs"][i, :m]).abs().max().item())
     print(f"multi-turn context: rollout vs trainer logprobs max abs diff {worst:.2e}")
     assert worst <= 1e-4, worst
+
+
+def test_generation_under_the_trainer_s_autocast_matches_its_bf16_logprobs():
+    """``model.dtype=auto`` picking bf16 compute on CPU: the trainer forwards its fp32 weights under bf16
+    ``torch.autocast`` (the replicated fsdp2 engine), and the 3D-HybridEngine's generation model holds the same
+    fp32 weights. Generating under :func:`generation_autocast` samples from the policy the trainer recomputes, up
+    to bf16 rounding of a decode step against one forward; generating in fp32 does not: the gap is then the whole
+    bf16-vs-fp32 difference of the forward. The shipped builtin:tiny-vlm (trained: confident logits, as in
+    vlm_grpo_quickstart; measured 5.6e-4 packed / 0 padded against 2.0e-2)."""
+    from hybridflow.engine.gen_precision import generation_autocast
+    from hybridflow.models.builtin import resolve_model_path
+
+    engine = SimpleNamespace(train_engine=SimpleNamespace(compute_dtype=torch.bfloat16), dtype=torch.float32,
+                             device=torch.device("cpu"))
+    path = resolve_model_path("builtin:tiny-vlm")
+    model, processor = vlm.load_vision_model(path, torch.float32), vlm.ImageTextProcessor.from_pretrained(path)
+    batch, prompts = _prompt_batch(processor)
+    gaps = {}
+    for matched in (True, False):
+        with generation_autocast(engine) if matched else torch.autocast("cpu", enabled=False):
+            out = _generate(model, prompts).generate_sequences(prompts)
+        for remove_padding in (False, True):
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # FSDP2Engine.forward with autocast_dtype bf16
+                trainer = _trainer_logprobs(model, batch, out, remove_padding)
+            gaps[matched, remove_padding] = (trainer - out.batch["rollout_log_probs"]).abs().max().item()
+    print(f"rollout vs bf16-autocast trainer logprobs (matched, remove_padding): {gaps}")
+    for remove_padding in (False, True):  # within 2**-10 (a bf16 step of a logit near 1/8); fp32: 4x that at least
+        assert gaps[True, remove_padding] <= 2**-10 and gaps[False, remove_padding] > 4 * 2**-10
+
+
+def test_generation_autocast_only_where_the_trainer_computes_in_16_bit_over_other_weights():
+    from hybridflow.engine.gen_precision import generation_autocast
+
+    def engine(compute, weights):
+        return SimpleNamespace(train_engine=SimpleNamespace(compute_dtype=compute), dtype=weights,
+                               device=torch.device("cpu"))
+
+    for case in (None, engine(torch.float32, torch.float32), engine(torch.bfloat16, torch.bfloat16),
+                 engine(None, torch.float32)):
+        with generation_autocast(case):
+            assert not torch.is_autocast_enabled("cpu")
+    with generation_autocast(engine(torch.bfloat16, torch.float32)):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

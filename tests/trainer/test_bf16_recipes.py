@@ -17,9 +17,9 @@ assert, with bf16 tolerances:
 Every shipped recipe runs (``grpo``, ``rloo``, ``reinforce_pp`` and ``drgrpo`` share dapo's engine, rollout and
 driver and differ in the advantage estimator, the loss aggregation and where the KL enters: loss or reward).
 ``quickstart`` runs with the vLLM rollout (its fsdp2 critic is also in ``safe_rlhf``), ``megatron_quickstart`` is
-the quickstart on megatron (2 pipeline stages) with the hf rollout, and ``moe_grpo_quickstart`` (the mixture-of-experts
-tiny-moe) runs with routing replay, with the hf and with the vLLM rollout; ``long_grpo_quickstart`` splits each
-sequence over 2 Ulysses sp ranks.
+the quickstart on megatron (2 pipeline stages) with the hf rollout, ``moe_grpo_quickstart`` (the mixture-of-experts
+tiny-moe) runs with routing replay, with the hf and with the vLLM rollout, ``long_grpo_quickstart`` splits each
+sequence over 2 Ulysses sp ranks, and ``vlm_grpo_quickstart`` trains the vision-language tiny-vlm on images.
 """
 
 from __future__ import annotations
@@ -77,11 +77,13 @@ RUNS = {
     "safe_rlhf_quickstart": ("safe_rlhf_quickstart", [], None),
     # the MoE policy with routing replay: the trainer routes as the rollout did, so the gap stays at bf16 rounding
     "moe_grpo_quickstart": ("moe_grpo_quickstart", ["actor_rollout_ref.actor.router_replay=rollout"], None),
-    # Ulysses sp=2 (actor and reference) on 2 ranks, packed, a 192-token response budget
-    "long_grpo_quickstart": ("long_grpo_quickstart", ["trainer.n_gpus_per_node=2"], None),
     # the same with the vLLM rollout: the engine records the routing (rollout/vllm_routing.py), the trainer replays it
     "moe_vllm": ("moe_grpo_quickstart", ["actor_rollout_ref.rollout.name=vllm",
                                          "actor_rollout_ref.actor.router_replay=rollout"], "vllm"),
+    # Ulysses sp=2 (actor and reference) on 2 ranks, packed, a 192-token response budget
+    "long_grpo_quickstart": ("long_grpo_quickstart", ["trainer.n_gpus_per_node=2"], None),
+    # the vision-language policy (builtin:tiny-vlm on builtin:vlm-count): vision tower, merger and mrope in bf16
+    "vlm_grpo_quickstart": ("vlm_grpo_quickstart", [], None),
 }
 
 
