@@ -164,7 +164,10 @@ class ActorRolloutRefWorker(Worker):
             self.actor = PPOActor(engine, None, cfg.actor, sampling, loss_scale_factor=inputs.loss_scale_factor)
         if self._has_rollout:
             self.multi_turn = MultiTurnLoop.from_section(cfg.rollout.multi_turn, self.tokenizer)
-            self._init_rollout(dtype)
+            # dtype=auto: a rollout with its own copy (vllm) computes in the dtype the actor's probe chose, as the
+            # engine's generation model does (engine/gen_precision.py), so it samples from the trainer's policy
+            actor_dtype = getattr(self.actor.engine, "compute_dtype", None) if self._has_actor else None
+            self._init_rollout(actor_dtype if cfg.model.dtype == "auto" and actor_dtype is not None else dtype)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
             self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
         elif self._has_ref:
