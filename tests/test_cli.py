@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 

@@ -26,7 +26,6 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
-import torch
 
 from hybridflow.errors import UserError
 

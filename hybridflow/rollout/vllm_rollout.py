@@ -495,6 +495,7 @@ class VLLMRollout(BaseRollout):
             trainer's :func:`hybridflow.models.lora.greedy_logprobs` on the same ids is the reference.
         """
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         self._check_ready()
         ids = list(ids)[: self.llm.llm_engine.vllm_config.model_config.max_model_len - 1]

@@ -12,7 +12,7 @@ import torch
 from hybridflow.data.multimodal import ImageError, MultimodalDataset, collate_multimodal, load_image
 from hybridflow.data.dataset import load_rows
 from hybridflow.errors import DataError
-from hybridflow.models.vlm import DATA_KEY, INPUTS_KEY, MROPE_KEY, IMAGE_PAD
+from hybridflow.models.vlm import DATA_KEY, INPUTS_KEY, MROPE_KEY
 from hybridflow.protocol import DataProto
 from hybridflow.protocol_rows import cat_row_tensors
 from tests.helpers.vlm import random_image, save_tiny_vlm, tiny_vlm

@@ -67,7 +67,8 @@ def test_the_rollout_builds_its_engine_with_the_section_keys(monkeypatch, tmp_pa
     class FakeLLM:
         def __init__(self, **kwargs):
             seen.update(kwargs)
-            model_config = types.SimpleNamespace(get_vocab_size=lambda: 64)
+            text_model = types.SimpleNamespace()  # hf_config of a text model: no image token
+            model_config = types.SimpleNamespace(get_vocab_size=lambda: 64, hf_config=text_model)
             self.llm_engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(model_config=model_config))
 
     monkeypatch.setattr(vllm, "LLM", FakeLLM)

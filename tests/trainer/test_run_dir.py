@@ -40,6 +40,8 @@ def test_resume_signature_names_algorithm_model_and_layout():
                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": 1,
                    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size": 1,
                    "critic.megatron.tensor_model_parallel_size": 1, "critic.megatron.pipeline_model_parallel_size": 1,
+                   "actor_rollout_ref.actor.megatron.expert_model_parallel_size": 1,
+                   "critic.megatron.expert_model_parallel_size": 1,
                    "ranks of actor": 2, "ranks of critic": 2, "ranks of cost_critic": None}
     async_ = resume_signature(load_config("async_grpo_quickstart"))  # trainer pool of 1 rank, no critic
     assert (async_["ranks of actor"], async_["ranks of critic"], async_["critic.model.path"]) == (1, None, None)

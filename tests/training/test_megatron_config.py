@@ -64,8 +64,8 @@ def test_defaults_are_one_stage_and_registered() -> None:
     cfg = load_config("quickstart", [])
     for section in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic):
         assert OmegaConf.to_container(section.megatron) == {
-            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
-            "expert_tensor_parallel_size": 1}
+            "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
     assert get_engine_class("megatron").__name__ == "MegatronEngine"
 
 

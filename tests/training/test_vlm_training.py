@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
 import torch
 from omegaconf import OmegaConf
 
