@@ -33,7 +33,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -96,6 +96,18 @@ def with_rank_seed(prompts: DataProto, gen_dp_rank: int) -> DataProto:
     if "seed" in meta:
         meta["seed"] = int(meta["seed"]) * 1000 + gen_dp_rank
     return DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch, meta_info=meta)
+
+
+def _ref_section(actor: Any) -> Any:
+    """The actor section as the reference's forwards read it: an MoE reference routes by its own top-k (no routing
+    replay: docs/how-to/moe.md), whatever ``actor.router_replay`` says."""
+    if getattr(actor, "router_replay", "off") == "off":
+        return actor
+    if dataclasses.is_dataclass(actor):
+        return dataclasses.replace(actor, router_replay="off")
+    from omegaconf import OmegaConf  # a DictConfig section (tests build them)
+
+    return OmegaConf.merge(actor, {"router_replay": "off"})
 
 
 class ActorRolloutRefWorker(Worker):
@@ -169,7 +181,7 @@ class ActorRolloutRefWorker(Worker):
             actor_dtype = getattr(self.actor.engine, "compute_dtype", None) if self._has_actor else None
             self._init_rollout(actor_dtype if cfg.model.dtype == "auto" and actor_dtype is not None else dtype)
         if self._has_ref and self._lora and self._has_actor:  # the base with adapters disabled: no second copy
-            self.ref = PPOActor(self.actor.engine, None, cfg.actor, SamplingSpec(sampling.temperature))
+            self.ref = PPOActor(self.actor.engine, None, _ref_section(cfg.actor), SamplingSpec(sampling.temperature))
         elif self._has_ref:
             # dtype=auto: the reference computes in the actor's dtype (no probe of its own), so KL starts at 0
             actor_dtype = getattr(self.actor.engine, "compute_dtype", None) if self._has_actor else None
@@ -178,7 +190,7 @@ class ActorRolloutRefWorker(Worker):
                                               fsdp_size=cfg.actor.fsdp_config.fsdp_size,
                                               role="ref", remove_padding=cfg.model.use_remove_padding,
                                               auto_bf16=None if actor_dtype is None else actor_dtype == torch.bfloat16))
-            self.ref = PPOActor(ref, None, cfg.actor, SamplingSpec(sampling.temperature))
+            self.ref = PPOActor(ref, None, _ref_section(cfg.actor), SamplingSpec(sampling.temperature))
         return {"compute_dtype": compute_dtypes(actor=getattr(self, "actor", None), ref=getattr(self, "ref", None))}
 
     def _init_rollout(self, dtype: torch.dtype) -> None:
