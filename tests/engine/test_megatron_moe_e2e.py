@@ -1,6 +1,7 @@
 """End to end through Ray (2 ranks): GRPO on a tiny random-init Qwen3-MoE (8 experts, top-2, the tiny-arith
 tokenizer) with the actor and its reference on the megatron engine at expert parallelism 2 (dp=2, ep=2), the HF
-rollout generating from the 3D-HybridEngine's tp_g=2 generation shards (4 experts per rank), 2 steps.
+rollout generating from the 3D-HybridEngine's tp_g=2 generation shards (4 experts per rank), or the vLLM rollout
+(its own copy, refreshed from the EP layout after each update; the engine records the routing), 2 steps each.
 
 What is checked: the run completes both steps; the generation shards sample from the policy the EP layout
 recomputes (``rollout/logprob_diff_max`` <= 1e-4 in fp32); step 2 samples from the updated, resharded weights
@@ -24,7 +25,10 @@ from tests.helpers.moe_models import save_tiny_moe_for_training  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_on_moe_with_megatron_expert_parallelism(tmp_path, ray_session):
+@pytest.mark.parametrize("rollout", ["hf", "vllm"])
+def test_grpo_on_moe_with_megatron_expert_parallelism(tmp_path, ray_session, rollout):
+    if rollout == "vllm":
+        pytest.importorskip("vllm")
     model = save_tiny_moe_for_training(str(tmp_path / "moe"))
     out = tmp_path / "run"
     run_ppo(load_config("grpo_quickstart", [
@@ -34,7 +38,8 @@ def test_grpo_on_moe_with_megatron_expert_parallelism(tmp_path, ray_session):
         "trainer.val_before_train=false",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.rollout.name={rollout}", "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={2 if rollout == 'hf' else 1}",
         "actor_rollout_ref.actor.entropy_coeff=0.01",  # a gradient even while the random model scores 0
         "actor_rollout_ref.actor.router_replay=rollout",  # the hf rollout records routing, megatron replays it
     ]))
