@@ -31,8 +31,8 @@ def test_ppo_steps_through_ray(quickstart_run, tmp_path):
     # Before the first update the actor's recomputed logprobs are those the rollout sampled from (fp32); the actor
     # computes them with Ulysses sp=2 (the sequence split over both ranks: one dp group), the rollout unsplit
     assert train[0]["rollout/logprob_diff_max"] <= 1e-5
-    assert "actor train (dp=1, tp=1, pp=1)" in quickstart_run.output and "critic train (dp=1, tp=1, pp=1)" in \
-        quickstart_run.output
+    assert "actor train (dp=1, tp=1, pp=1, sp=2)" in quickstart_run.output
+    assert "critic train (dp=1, tp=1, pp=1, sp=2)" in quickstart_run.output
     assert "val/score" in rows[0] and "val/score" in rows[-1]
     assert 0.0 <= rows[-1]["val/mean@2"] <= 1.0 and "val/mean@2/hybridflow/arith" in rows[-1]
     # trainer.colocate_roles (default): the three roles of the one pool run in one process per rank, 2 in all
