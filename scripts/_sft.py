@@ -86,18 +86,18 @@ def warmup_cosine(steps: int, *, divide_first: bool) -> Callable[[int], float]:
     return lr_factor
 
 
-def sft_loop(model: LlamaForCausalLM, next_examples: Callable[[], list[Example]], pad_id: int, *, steps: int,
-             lr: float, lr_factor: Callable[[int], float], log_every: int) -> list[float]:
-    """``steps`` SFT steps on the batches ``next_examples()`` returns (called once per step, in order):
-    AdamW (weight decay 0.01, betas 0.9/0.98) at ``lr * lr_factor(step)`` (:func:`warmup_cosine`), gradient-norm
-    clip 1.0. Leaves the model in eval mode; returns the loss per step."""
+def train_loop(model: torch.nn.Module, next_batch: Callable[[], dict], *, steps: int, lr: float,
+               lr_factor: Callable[[int], float], log_every: int = 100) -> list[float]:
+    """``steps`` SFT steps on the model inputs ``next_batch()`` returns (keyword arguments of the model's forward,
+    ``labels`` included; called once per step, in order): AdamW (weight decay 0.01, betas 0.9/0.98) at
+    ``lr * lr_factor(step)`` (:func:`warmup_cosine`), gradient-norm clip 1.0. Leaves the model in eval mode;
+    returns the loss per step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     losses = []
     for step in range(steps):
-        input_ids, mask, labels = make_batch(next_examples(), pad_id)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss = model(**next_batch()).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,6 +108,17 @@ def sft_loop(model: LlamaForCausalLM, next_examples: Callable[[], list[Example]]
             logger.info("sft step %d/%d loss %.4f", step, steps, loss.item())
     model.eval()
     return losses
+
+
+def sft_loop(model: LlamaForCausalLM, next_examples: Callable[[], list[Example]], pad_id: int, *, steps: int,
+             lr: float, lr_factor: Callable[[int], float], log_every: int) -> list[float]:
+    """:func:`train_loop` on the text batches of the examples ``next_examples()`` returns (:func:`make_batch`)."""
+
+    def next_batch() -> dict:
+        input_ids, mask, labels = make_batch(next_examples(), pad_id)
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+    return train_loop(model, next_batch, steps=steps, lr=lr, lr_factor=lr_factor, log_every=log_every)
 
 
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:

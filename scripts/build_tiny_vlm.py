@@ -34,7 +34,6 @@ Deterministic for a fixed seed and thread count (float reductions depend on thre
 from __future__ import annotations
 
 import json
-import logging
 import random
 import sys
 import time
@@ -45,14 +44,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_sft.py
-from _sft import (BOS, EOS, PAD, correct_fraction_main, loss_tail_mean, save, warmup_cosine,  # noqa: E402
-                  wrap_tokenizer)
+from _sft import (BOS, EOS, PAD, correct_fraction_main, loss_tail_mean, save, train_loop,  # noqa: E402
+                  warmup_cosine, wrap_tokenizer)
 from hybridflow.data.vlm_task import (COUNTS, DATA_SOURCE, IMAGE_PLACEHOLDER, QUESTION, CountProblem,  # noqa: E402
                                       make_count_problems)
 from hybridflow.models.vlm_build import (VISION_TOKENS, image_only_processor, tiny_image_processor,  # noqa: E402
                                          tiny_qwen2_5_vl_config)
 
-logger = logging.getLogger(__name__)
 
 TOKENIZER_VOCAB_SIZE = 320
 _IMAGE_SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -138,25 +136,13 @@ def sft_train(model, tokenizer, enc: dict, counts: list[int], *, steps: int, bat
     (weight decay 0.01, betas 0.9/0.98), warmup + cosine (``_sft.warmup_cosine``), gradient clip 1.0. Returns
     the loss per step; leaves the model in eval mode."""
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(steps, divide_first=True))
-    model.train()
-    losses = []
-    for step in range(steps):
+
+    def next_batch() -> dict:
         rows = [rng.randrange(len(counts)) for _ in range(batch_size)]
         answers = [counts[r] if rng.random() < correct_fraction else counts[r] + 1 for r in rows]
-        batch = make_batch(enc, rows, [response_ids(tokenizer, a) for a in answers], tokenizer.pad_token_id)
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % 100 == 0 or step == steps - 1:
-            logger.info("sft step %d/%d loss %.4f", step, steps, loss.item())
-    model.eval()
-    return losses
+        return make_batch(enc, rows, [response_ids(tokenizer, a) for a in answers], tokenizer.pad_token_id)
+
+    return train_loop(model, next_batch, steps=steps, lr=lr, lr_factor=warmup_cosine(steps, divide_first=True))
 
 
 @torch.no_grad()
