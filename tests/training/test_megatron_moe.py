@@ -14,6 +14,7 @@ pytest.importorskip("megatron.core")
 
 from hybridflow.models.megatron_convert import hf_params, hf_shard_from_local, local_from_hf, merge_tp_shards, tp_shard
 from hybridflow.models.megatron_moe import ep_shard, moe_config_kwargs, stack_experts, unstack_experts
+from tests.helpers.megatron import assert_gpt_logits_equal_hf
 from tests.helpers.moe_models import tiny_moe
 
 ARCHS = {
@@ -126,20 +127,7 @@ def test_bad_expert_layouts_are_one_line_user_errors() -> None:
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_gpt_model_logits_equal_hf(arch: str, megatron_1rank) -> None:
-    from hybridflow.models.megatron_model import build_gpt_model, load_local_state, local_state_from_hf
-    from hybridflow.training.megatron_cpu import cpu_adapter
-
-    hf = _model(arch)
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
-    with cpu_adapter("cpu"), torch.no_grad():
-        mg = build_gpt_model(hf.config, "policy", tp=1, pp=1, pp_rank=0, dtype=torch.float32, device="cpu")
-        load_local_state(mg, local_state_from_hf(dict(hf.named_parameters()), hf.config, "policy", tp=1,
-                                                 tp_rank=0, pp=1, pp_rank=0))
-        mg.eval()
-        got = mg(ids, torch.arange(7).expand(2, 7), None)
-        want = hf(input_ids=ids).logits
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert_gpt_logits_equal_hf(_model(arch), "policy")
 
 
 def test_replay_indices_follow_megatron_token_order() -> None:
