@@ -9,16 +9,9 @@ from typing import Any, Callable
 
 from hybridflow.config.schema import ActorConfig
 from hybridflow.mapping.layouts import pool_ranks
+from hybridflow.models.vision_types import is_vision_model_dir
 
 __all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "expert_problems", "megatron_problems"]
-
-
-def _is_vlm(path: str) -> bool:
-    """:func:`hybridflow.models.vlm.is_vision_model_dir`, imported when a megatron role asks (it imports torch,
-    which ``hybridflow --help`` must not)."""
-    from hybridflow.models.vlm import is_vision_model_dir
-
-    return is_vision_model_dir(path)
 
 #: a role's config section -> (its strategy key, the layouts role whose pool it runs on)
 MEGATRON_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strategy", "actor"),
@@ -110,7 +103,7 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
         path = get(f"{section.split('.')[0]}.model.path")  # actor/ref: actor_rollout_ref.model, critic: critic.model
         line = (f"{key}={strategies[section]}: {path} is a vision-language model; megatron does not support VLMs "
                 "(use strategy=fsdp2)")
-        if reads[section] and line not in problems and _is_vlm(path):  # one line (actor + ref: one)
+        if reads[section] and line not in problems and is_vision_model_dir(path):  # one line (actor + ref: one)
             problems.append(line)
     actor, ref = f"actor_rollout_ref.actor.{LAYOUT_SECTION}", f"actor_rollout_ref.ref.{LAYOUT_SECTION}"
     if reads["actor_rollout_ref.actor"]:

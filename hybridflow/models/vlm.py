@@ -22,16 +22,14 @@ here. Shapes: B rows, L tokens, T packed tokens, N images, M patches.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from hybridflow.errors import UserError
+from hybridflow.models.vision_types import VISION_MODEL_TYPES, is_vision_model_dir  # noqa: F401 (re-exported)
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 IMAGE_PLACEHOLDER = "<image>"  # verl's placeholder in a user message's content string
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 MROPE_KEY = "mrope_position_ids"
@@ -46,22 +44,6 @@ class VisionModelError(UserError):
 def is_vision_config(config: Any) -> bool:
     """Whether a transformers config (or its ``model_type``) is a supported vision-language model."""
     return getattr(config, "model_type", None) in VISION_MODEL_TYPES
-
-
-def is_vision_model_dir(path: str) -> bool:
-    """Whether the model at ``path`` (a directory, ``builtin:NAME`` or a hub id) is a supported VLM (its
-    ``config.json`` ``model_type``); False for a path that does not resolve to a directory."""
-    from hybridflow.models.builtin import resolve_model_path
-
-    try:
-        path = resolve_model_path(str(path))
-    except (ValueError, FileNotFoundError):
-        return False
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return False
-    with open(config) as f:
-        return json.load(f).get("model_type") in VISION_MODEL_TYPES
 
 
 def refuse_vision_model(path: str, engine: str, role: str) -> None:

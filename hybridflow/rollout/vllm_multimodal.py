@@ -22,12 +22,11 @@ Shapes: B prompts, n samples per prompt, N = B*n rows, P prompt tokens, R respon
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Optional, Sequence
 
 
 from hybridflow.errors import UserError
+from hybridflow.models.vision_types import is_vision_model_dir
 
 DATA_KEY = "multi_modal_data"  # non-tensor column: per row {"image": [PIL.Image, ...]}
 
@@ -36,19 +35,12 @@ class ImagePromptMismatchError(UserError, ValueError):
     """An image prompt whose image tokens do not match its images (count or expanded length)."""
 
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-
-
 def engine_multimodal_kwargs(model_path: str) -> dict:
     """Engine arguments a vision-language checkpoint at ``model_path`` needs (``{}`` for any other): its tokenizer
     (vLLM's multimodal processor cannot work without one, so ``skip_tokenizer_init`` is off) and no video
     inputs (``limit_mm_per_prompt``: the rollout sends images only, so no video memory is profiled)."""
-    config = os.path.join(model_path, "config.json")
-    if not os.path.isfile(config):
+    if not is_vision_model_dir(model_path):
         return {}
-    with open(config) as f:
-        if json.load(f).get("model_type") not in VISION_MODEL_TYPES:
-            return {}
     return {"skip_tokenizer_init": False, "limit_mm_per_prompt": {"video": 0}}
 
 
