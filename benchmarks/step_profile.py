@@ -1,20 +1,20 @@
 """Where a quickstart PPO step spends its time, and how close each phase runs to the machine's matmul rate.
 
 Runs a few quickstart steps through the real Ray worker groups and prints ONE JSON line: seconds per phase (driver
-wall time: generate, reward, reference, old logprobs (or both in one call), values, advantages, critic update,
-actor update; reference and old logprobs run inside the generation call are its worker seconds, taken out of
-generate's), the same phases measured inside the workers (the slowest rank's), the controller's own overhead
-(step time not spent inside a worker method: dispatch, serialization, object store, driver math) as a fraction of
-the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain fp32 matmul loop measured in
-the same run with the same process/thread layout (the run's ranks as processes, one thread each, all at once, 2 s):
-the loop runs before the workers start and again after every step (in the driver, while the workers wait), and
-each step's fraction is against the mean of the loops just before and just after it, because the machine drifts
-(on a 2-core EPYC the loop measured 113-162 GFLOP/s within minutes); ``matmul_gflop_per_s_by_step`` and
-``phase_matmul_fraction_by_step`` show both. Steps after the first ``--warmup`` are averaged. One warm-up step
-covers start-up; the medium model needs about three: each worker's heap grows during its first updates (the
-activations of a fwd+bwd, around generation's buffers), and every new page faults once (measured on a 2-core
-EPYC, medium GRPO shape: 360k, 260k and 25k minor page faults in a worker's first three updates, the update taking
-13.7, 11.0, 11.7, then 9.3-10.1 s); ``update_s_by_step`` shows the trend.
+wall time: generate, reward, reference, old logprobs (or both in one call), values, advantages, critic update, actor
+update; reference and old logprobs run inside the generation call are its worker seconds, taken out of generate's),
+the same phases measured inside the workers (the slowest rank's), the controller's own overhead (step time in which
+no worker method ran, from the methods' wall-clock spans over all ranks: dispatch, serialization, object store,
+driver math) as a fraction of the step, and per phase the FLOPs, the achieved GFLOP/s and its fraction of a plain
+fp32 matmul loop measured in the same run with the same process/thread layout (the run's ranks as processes, one
+thread each, all at once, 2 s): the loop runs before the workers start and again after every step (in the driver,
+while the workers wait), and each step's fraction is against the mean of the loops just before and just after it,
+because the machine drifts (on a 2-core EPYC the loop measured 113-162 GFLOP/s within minutes);
+``matmul_gflop_per_s_by_step`` and ``phase_matmul_fraction_by_step`` show both. Steps after the first ``--warmup``
+are averaged. One warm-up step covers start-up; the medium model needs about three: each worker's heap grows during
+its first updates (the activations of a fwd+bwd, around generation's buffers), and every new page faults once
+(measured on a 2-core EPYC, medium GRPO shape: 360k, 260k and 25k minor page faults in a worker's first three
+updates, the update taking 13.7, 11.0, 11.7, then 9.3-10.1 s); ``update_s_by_step`` shows the trend.
 
 FLOPs (Kaplan et al. 2020): 2N per token for a forward, 6N for forward + backward, N the model's parameters
 (attention scores not counted). Forward and update phases count the tokens they compute (valid tokens, plus the
@@ -201,6 +201,10 @@ def main() -> None:
         "steps_measured": len(steady), "step_s": avg("timing_s/step"), "phase_s": phase_s,
         "worker_s": {k.split("/", 1)[1]: avg(k) for k in steady[0] if k.startswith("timing_worker_s/")},
         "controller_overhead_frac": avg("timing_s/controller_overhead_frac"),
+        # the same, from summed worker seconds (the definition before worker spans): overlapping calls count twice
+        "controller_overhead_frac_summed": statistics.mean(
+            max(0.0, r["timing_s/step"] - sum(v for k, v in r.items() if k.startswith("timing_worker_s/")))
+            / r["timing_s/step"] for r in steady),
         "ref_log_prob_in_update_s": avg("timing_worker_s/ref_log_prob_in_update") or None,
         "tokens_per_s": avg("perf/throughput"),
         "response_length_max": avg("response_length/max"),  # tokens: the longest response of a step's batch

@@ -23,7 +23,7 @@ import torch
 from hybridflow.algorithms import informative_groups
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.steps import add_worker_time
-from hybridflow.workers.timing import WORKER_TIME_PREFIX
+from hybridflow.workers.timing import WORKER_SPAN_PREFIX, WORKER_TIME_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,9 @@ def _training_batch(found: _Gathered, want: int, n: int, divisor: int) -> DataPr
         batch = found.last
     else:
         batch = DataProto.concat(_same_prompt_width(found.pieces))[: groups * n]
-    for key in [k for k in batch.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
+    for key in [k for k in batch.meta_info if k.startswith((WORKER_TIME_PREFIX, WORKER_SPAN_PREFIX))]:
         del batch.meta_info[key]
-    for meta in found.metas:  # worker seconds of every generation batch, kept or not
+    for meta in found.metas:  # worker seconds and spans of every generation batch, kept or not
         add_worker_time(batch.meta_info, meta)
     return batch
 

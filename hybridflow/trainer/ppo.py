@@ -33,7 +33,7 @@ from hybridflow.trainer.dynamic_sampling import collect_informative_groups
 from hybridflow.trainer.old_log_prob import old_log_prob_is_current
 from hybridflow.trainer.roles import ACTOR, CRITIC, SCORE_MODEL, common_roles
 from hybridflow.trainer.steps import (absorb_metrics, apply_kl_penalty, apply_overlong_penalty, compute_advantage,
-                                      ran_alongside, step_metrics, warn_single_sample_groups)
+                                      read, step_metrics, warn_single_sample_groups)
 from hybridflow.trainer.validate import validate
 from hybridflow.utils.timer import timer
 
@@ -157,10 +157,10 @@ class PPOTrainer(Driver):
     def add_scores(self, batch: DataProto, scores: Optional[DataProto]) -> None:
         """Add ``token_level_scores`` (B, R) (and ``reward_error``) from ``scores`` (None: already there), plus, with
         ``reward_model.overlong_buffer.enable``, DAPO's overlong penalty (``overlong_penalty`` (B,), on the last
-        valid token). The reward ran alongside other calls: its worker seconds are not counted in the step's."""
+        valid token)."""
         if scores is None:
             return
-        batch.union(ran_alongside(scores))
+        batch.union(read(scores))  # waits for the reward (DAPO reads the scores next)
         buffer = self.config.reward_model.overlong_buffer
         if buffer.enable:
             apply_overlong_penalty(batch, self.config.data.max_response_length, buffer.len, buffer.penalty_factor)

@@ -7,14 +7,15 @@ chunks) and cost O(B x R), far less than moving the batch to a worker and back.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
 from hybridflow.algorithms import get_adv_estimator_fn, kl_penalty, masked_mean, overlong_reward_penalty
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.multi_turn import multi_turn_metrics
-from hybridflow.workers.timing import WORKER_TIME_PREFIX
+from hybridflow.workers.timing import WORKER_SPAN_PREFIX, WORKER_TIME_PREFIX
 
 if TYPE_CHECKING:
     from hybridflow.algorithms.kl import KLController
@@ -113,20 +114,42 @@ def compute_data_metrics(data: DataProto) -> dict[str, float]:
 
 def add_worker_time(meta_info: dict, other_meta: dict) -> None:
     """Add the worker seconds (``worker_s/*`` keys) of ``other_meta`` to ``meta_info``, summing a method that ran
-    more than once in the step (e.g. ``update_critic`` of a reward and a cost critic)."""
+    more than once in the step (e.g. ``update_critic`` of a reward and a cost critic), and its wall-clock spans
+    (``worker_span/*``: lists of ``(start, end)``), concatenated."""
     for key, value in other_meta.items():
         if key.startswith(WORKER_TIME_PREFIX):
             meta_info[key] = meta_info.get(key, 0.0) + value
+        elif key.startswith(WORKER_SPAN_PREFIX):
+            meta_info[key] = [*meta_info.get(key, []), *value]
 
 
-def compute_timing_metrics(meta_info: dict, step_seconds: float) -> dict[str, float]:
+def covered_seconds(spans: Iterable[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` inside at least one of ``spans`` (``(start, end)`` pairs, any order, overlapping
+    or not): the length of their union clipped to the window."""
+    total, reach = 0.0, start
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
+        if b > reach and b > a:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def compute_timing_metrics(meta_info: dict, step_seconds: float, step_end: Optional[float] = None) -> dict[str, float]:
     """Worker-side seconds per step (``timing_worker_s/<method>``, from the ``worker_s/*`` meta_info keys the
-    worker steps add) and the controller's own share of the step:
-    ``timing_s/controller_overhead_frac`` = (step - sum of worker seconds) / step. Worker seconds are the slowest
-    counted rank's (the one the driver waits for), so rank imbalance is not counted as controller overhead."""
+    worker steps add) and the controller's own share of the step, ``timing_s/controller_overhead_frac``: the
+    fraction of the step (the ``step_seconds`` up to ``step_end``, a ``time.time()``; default now) in which no worker
+    method ran, from the methods' wall-clock spans (``worker_span/*``, each over all ranks of its call: rank
+    imbalance is not overhead; calls that overlap, on other resource pools, count once). Without spans (workers
+    that do not report them): (step - sum of worker seconds) / step."""
     worker = {k[len(WORKER_TIME_PREFIX):]: v for k, v in meta_info.items() if k.startswith(WORKER_TIME_PREFIX)}
     metrics = {f"timing_worker_s/{k}": v for k, v in worker.items()}
-    metrics["timing_s/controller_overhead_frac"] = max(0.0, step_seconds - sum(worker.values())) / step_seconds
+    spans = [span for k, v in meta_info.items() if k.startswith(WORKER_SPAN_PREFIX) for span in v]
+    if spans:
+        end = time.time() if step_end is None else step_end
+        busy = covered_seconds(spans, end - step_seconds, end)
+    else:
+        busy = sum(worker.values())
+    metrics["timing_s/controller_overhead_frac"] = max(0.0, step_seconds - busy) / step_seconds
     return metrics
 
 
@@ -144,16 +167,6 @@ def step_metrics(batch: DataProto, metrics: dict[str, float], times: dict[str, f
 def read(out: Any) -> DataProto:
     """``out`` itself, or, for a call's future (``__dataproto_future__``), its ``get()`` (waits for the call)."""
     return out.get() if getattr(type(out), "__dataproto_future__", False) else out
-
-
-def ran_alongside(out: Any) -> Any:
-    """``out`` (a call's output or future; read here, waiting for the call) without its worker seconds: the call ran
-    alongside others, so its seconds are not on the step's critical path (the controller overhead stays step minus
-    the worker seconds the driver waited for)."""
-    out = read(out)
-    for key in [k for k in out.meta_info if k.startswith(WORKER_TIME_PREFIX)]:
-        del out.meta_info[key]
-    return out
 
 
 def absorb_metrics(update_out: Any, batch: DataProto) -> dict[str, float]:

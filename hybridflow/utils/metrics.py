@@ -7,7 +7,9 @@ it is produced as one of these kinds (each carries what pooling needs, not a fin
 * ``Sum(value)``: a total, pooled as ``sum(value)``;
 * ``Max(value)`` / ``Min(value)``: pooled as the largest / smallest value;
 * ``Std(total, sq, count)``: the population standard deviation (ddof 0) of all the samples from their pooled
-  moments, ``sqrt(sum(sq) / n - (sum(total) / n)^2)`` with ``n = sum(count)``.
+  moments, ``sqrt(sum(sq) / n - (sum(total) / n)^2)`` with ``n = sum(count)``;
+* ``Span(start, end)``: a wall-clock interval, pooled as the earliest start and the latest end (a worker method's
+  interval over the ranks of one call); its result is the list ``[(start, end)]``, not a float.
 
 So a mean of means, a mean of maxima or an average of standard deviations never happens: pooling a dict of them in
 any grouping (micro-batches, then ranks) gives the value of all the samples at once. :func:`reduce_metrics` pools
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Union
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["Max", "Mean", "Metric", "Min", "Std", "Sum", "accumulate", "finalize", "reduce_metrics"]
+__all__ = ["Max", "Mean", "Metric", "Min", "Span", "Std", "Sum", "accumulate", "finalize", "reduce_metrics"]
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,25 @@ class Std:
         return math.sqrt(max(self.sq / self.count - mean * mean, 0.0))
 
 
-Metric = Union[Mean, Sum, Max, Min, Std]
-KINDS = (Mean, Sum, Max, Min, Std)
+@dataclass(frozen=True)
+class Span:
+    """The wall-clock interval one call ran over its ranks (``time.time()`` seconds): pooled as the earliest
+    ``start`` and the latest ``end``. Its result is a list of ``(start, end)`` pairs (empty: no sample), so the
+    driver concatenates the spans of several calls and measures their union
+    (:func:`hybridflow.trainer.steps.compute_timing_metrics`)."""
+
+    start: Optional[float] = None
+    end: Optional[float] = None
+
+    def merge(self, other: "Span") -> "Span":
+        return Span(_pick(min, self.start, other.start), _pick(max, self.end, other.end))
+
+    def result(self) -> list[tuple[float, float]]:  # type: ignore[override]
+        return [] if self.start is None or self.end is None else [(self.start, self.end)]
+
+
+Metric = Union[Mean, Sum, Max, Min, Std, Span]
+KINDS = (Mean, Sum, Max, Min, Std, Span)
 
 
 def _pick(fn: Callable[[float, float], float], a: Optional[float], b: Optional[float]) -> Optional[float]:

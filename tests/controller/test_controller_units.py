@@ -28,7 +28,7 @@ from hybridflow.controller.dispatch import (
     dispatch_dp_compute_data_proto,
 )
 from hybridflow.protocol import DataProto
-from hybridflow.utils.metrics import Max, Mean, Min, Sum
+from hybridflow.utils.metrics import Max, Mean, Min, Span, Sum
 
 
 class FakeGroup:
@@ -187,6 +187,12 @@ def test_collect_dp_pools_each_declared_metric_by_its_kind_over_two_ranks():
     assert meta["sync_metrics"] == {"sync/verified": 0.0, "sync/probe_max_abs_diff": 3e-6}
     with pytest.raises(TypeError):  # one key declared as two kinds
         collect_dp_compute_data_proto([DataProto(meta_info={"m": Max(1.0)}), DataProto(meta_info={"m": Sum(1.0)})])
+
+
+def test_collect_dp_pools_a_calls_wall_clock_spans_into_earliest_start_and_latest_end():
+    outs = [DataProto(meta_info={"worker_span/update_actor": Span(s, e)}) for s, e in ((10.0, 10.4), (10.1, 10.5))]
+    merged = collect_dp_compute_data_proto(outs)
+    assert merged.meta_info["worker_span/update_actor"] == [(10.0, 10.5)]  # rank 0 started, rank 1 ended
 
 
 def test_collect_dp_rejects_non_dataproto_output():

@@ -223,3 +223,27 @@ def test_train_on_balances_the_rows_for_the_actors_dp_ranks(tmp_path):
     assert list(batch.non_tensor_batch["uid"]) == ["a", "d", "b", "c"]
 
 
+
+
+def test_controller_overhead_is_the_step_time_no_worker_method_covers():
+    from hybridflow.trainer.steps import add_worker_time, compute_timing_metrics, covered_seconds
+
+    # by hand: [0, 1] and [0.5, 2] join into [0, 2]; [3, 4] is apart; [9, 12] is clipped to the window's end 10
+    assert covered_seconds([(3.0, 4.0), (0.5, 2.0), (0.0, 1.0), (9.0, 12.0)], 0.0, 10.0) == pytest.approx(4.0)
+    assert covered_seconds([(-5.0, -1.0), (11.0, 12.0)], 0.0, 10.0) == 0.0  # outside the window
+    assert covered_seconds([(1.0, 3.0), (1.5, 2.0)], 0.0, 10.0) == pytest.approx(2.0)  # nested
+    # a step of 10 s ending at t=110: generation 100-104, values and logprobs overlapping 104-106 (two pools), an
+    # update called twice (two critics) 106-107 and 107.5-109: busy 4 + 2 + 1 + 1.5 = 8.5 s -> 15 % overhead,
+    # where summing the seconds (4 + 2 + 1.5 + 1 + 1.5 = 10) would have said 0
+    meta = {"worker_s/generate_sequences": 4.0, "worker_span/generate_sequences": [(100.0, 104.0)],
+            "worker_s/compute_values": 2.0, "worker_span/compute_values": [(104.0, 106.0)],
+            "worker_s/compute_log_prob": 1.5, "worker_span/compute_log_prob": [(104.5, 106.0)]}
+    add_worker_time(meta, {"worker_s/update_critic": 1.0, "worker_span/update_critic": [(106.0, 107.0)]})
+    add_worker_time(meta, {"worker_s/update_critic": 1.5, "worker_span/update_critic": [(107.5, 109.0)]})
+    assert meta["worker_s/update_critic"] == 2.5 and len(meta["worker_span/update_critic"]) == 2
+    metrics = compute_timing_metrics(meta, 10.0, step_end=110.0)
+    assert metrics["timing_s/controller_overhead_frac"] == pytest.approx(0.15)
+    assert metrics["timing_worker_s/update_critic"] == 2.5
+    # workers that report no spans: step minus the summed seconds
+    assert compute_timing_metrics({"worker_s/a": 2.0, "worker_s/b": 3.0}, 10.0)[
+        "timing_s/controller_overhead_frac"] == pytest.approx(0.5)

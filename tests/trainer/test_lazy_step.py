@@ -99,4 +99,4 @@ def test_the_step_makes_every_call_before_reading_any_output(tmp_path):
     assert batch.non_tensor_batch["row"].tolist() == [0, 3, 1, 2]
     assert "perf/dp_token_imbalance" in metrics
     assert torch.equal(batch.batch["values"], batch.batch["responses"].float())  # each row kept its own values
-    assert "worker_s/compute_rm_score" not in batch.meta_info  # the reward ran alongside: not on the critical path
+    assert batch.meta_info["worker_s/compute_rm_score"] == 9.0  # the reward's worker seconds are kept, as every call's

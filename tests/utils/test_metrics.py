@@ -51,3 +51,11 @@ def test_undeclared_or_conflicting_kinds_are_refused():
         reduce_metrics([{"x": 1.0}])
     with pytest.raises(TypeError, match="'x' is pooled as Max and Min"):
         reduce_metrics([{"x": Max(1.0)}, {"x": Min(0.0)}])
+
+
+def test_a_span_pools_into_the_earliest_start_and_the_latest_end():
+    from hybridflow.utils.metrics import Span
+
+    pooled = reduce_metrics([{"s": Span(5.0, 6.0)}, {"s": Span(4.0, 5.5)}, {"s": Span()}])["s"]
+    assert pooled == Span(4.0, 6.0) and pooled.result() == [(4.0, 6.0)]
+    assert Span().result() == []
