@@ -15,9 +15,14 @@ drivers, training engines, tools, rewards ...). Every registry behaves the same 
   no-op (modules may be imported twice, e.g. by ``trainer.plugins`` on the driver and in a worker).
 - Configuration travels with the registration: ``config=SomeDataclass`` (metadata :data:`CONFIG`) adds the
   dataclass's fields (keys, defaults, the comment on each) to the kind's config section (the registry's
-  ``config_section``, or the entry's own ``config_section=`` metadata), and ``config_checks=fn`` (:data:`CHECKS`,
+  ``config_section``, or the entry's own ``config_section=`` metadata; a tuple of sections adds them to each, as
+  a training engine's sub-section joins every role that may run it), and ``config_checks=fn`` (:data:`CHECKS`,
   ``fn(get) -> list[str]``) validates them at load; :mod:`hybridflow.config.assemble` builds the run's schema from
-  every registry's entries, so a plugin's keys are validated like the built-in ones.
+  every registry's entries, so a plugin's keys are validated like the built-in ones. A field whose type is a
+  dataclass adds a sub-section (``fsdp_config: FSDPConfig``).
+- ``registry.register_lazy("name", "package.module:Attribute", **meta)`` registers an entry whose object is imported
+  at its first :meth:`Registry.get`: its metadata (config, checks, abilities) is known without importing the
+  module that defines it (a training engine's torch/Ray code).
 
 This module imports nothing from hybridflow, so every layer may use it. User code registers into these
 registries from its own module, listed in ``trainer.plugins`` so the workers import it too.
@@ -27,7 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
+import importlib
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar, Union
 
 from hybridflow.errors import UserError
 
@@ -35,7 +41,7 @@ T = TypeVar("T")
 
 CONFIG = "config"  # metadata key: a dataclass whose fields join the entry's config section
 CHECKS = "config_checks"  # metadata key: checks(get) -> list[str] of the entry's keys, run at config load
-SECTION = "config_section"  # metadata key: the dotted section an entry's config joins (default: the registry's)
+SECTION = "config_section"  # metadata key: the dotted section(s) an entry's config joins (default: the registry's)
 
 
 class UnknownNameError(UserError, KeyError, ValueError):
@@ -77,13 +83,14 @@ class Registry(Generic[T]):
         check: optional ``check(name, obj)`` run at registration; it raises ``TypeError`` for an object that is
             not of this kind (e.g. a class that does not subclass the kind's base class).
         missing: optional opening of the unknown-name message (see :func:`unknown_name_error`).
-        config_section: the dotted config section (``"actor_rollout_ref.actor"``) that the ``config=`` dataclass of
-            an entry extends, unless the entry gives its own ``config_section=``; None: entries must give it.
+        config_section: the dotted config section (``"actor_rollout_ref.actor"``), or a tuple of them, that the
+            ``config=`` dataclass of an entry extends, unless the entry gives its own ``config_section=``; None:
+            entries must give it.
     """
 
     def __init__(self, kind: str, adapter: Optional[Callable[[str, T], Any]] = None,
                  check: Optional[Callable[[str, T], None]] = None, missing: Optional[str] = None,
-                 config_section: Optional[str] = None) -> None:
+                 config_section: Union[str, tuple[str, ...], None] = None) -> None:
         self.kind = kind
         self.config_section = config_section
         self._adapter = adapter
@@ -91,37 +98,76 @@ class Registry(Generic[T]):
         self._missing = missing
         self._originals: dict[str, T] = {}
         self._entries: dict[str, Any] = {}
-        self._meta: dict[str, dict[str, Any]] = {}
+        self._meta: dict[str, dict[str, Any]] = {}  # every entry, resolved or lazy
+        self._lazy: dict[str, str] = {}  # name -> "module:attribute" of an entry not imported yet
 
     def register(self, name: str, **meta: Any) -> Callable[[T], T]:
         """Decorator adding the decorated object under ``name`` with metadata ``meta``.
 
         Raises:
-            ValueError: ``name`` is empty or not a string, or already registered to a different object.
+            ValueError: ``name`` is empty or not a string, or already registered to a different object (or lazily
+                to another ``module:attribute``).
             TypeError: the kind's ``check`` refused the object, or the ``config``/``config_checks``/
                 ``config_section`` metadata is malformed (see :meth:`_check_config_meta`).
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        self._check_name(name)
         self._check_config_meta(name, meta)
 
         def decorator(obj: T) -> T:
             existing = self._originals.get(name)
-            if existing is not None and existing is not obj and _qualname(existing) != _qualname(obj):
-                raise ValueError(f"{self.kind} {name!r} is already registered to {_qualname(existing)}; "
-                                 "choose another name")
-            if self._check is not None:
-                self._check(name, obj)
-            self._originals[name] = obj
-            self._entries[name] = self._adapter(name, obj) if self._adapter else obj
+            known = _target(existing) if existing is not None else self._lazy.get(name)
+            if known is not None and existing is not obj and known != _target(obj):
+                raise ValueError(f"{self.kind} {name!r} is already registered to {known}; choose another name")
+            self._add(name, obj)
             self._meta[name] = dict(meta)
+            self._lazy.pop(name, None)
             return obj
 
         return decorator
 
+    def register_lazy(self, name: str, target: str, **meta: Any) -> None:
+        """Register ``name`` as ``target`` (``"package.module:Attribute"``), imported at the first :meth:`get` (or
+        :meth:`original`); ``meta`` is known at once (:meth:`meta`, :meth:`names`, the config it brings), so
+        code that only reads metadata never imports the module. The kind's ``check`` runs at that import.
+
+        Raises:
+            ValueError: ``name`` is empty or not a string, ``target`` is not ``module:attribute``, or ``name`` is
+                already registered to another object or target.
+            TypeError: malformed ``config`` metadata (see :meth:`_check_config_meta`).
+        """
+        self._check_name(name)
+        if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
+            raise ValueError(f"{self.kind} {name!r}: the lazy target must be 'module:attribute', got {target!r}")
+        self._check_config_meta(name, meta)
+        known = self._lazy.get(name) or (_target(self._originals[name]) if name in self._originals else None)
+        if known is not None and known != target:
+            raise ValueError(f"{self.kind} {name!r} is already registered to {known}; choose another name")
+        if name not in self._originals:
+            self._lazy[name] = target
+        self._meta[name] = dict(meta)
+
+    def _check_name(self, name: object) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+
+    def _add(self, name: str, obj: T) -> None:
+        """Store ``obj`` (checked by the kind's ``check``) and its adapted entry under ``name``."""
+        if self._check is not None:
+            self._check(name, obj)
+        self._originals[name] = obj
+        self._entries[name] = self._adapter(name, obj) if self._adapter else obj
+
+    def _resolve(self, name: str) -> None:
+        """Import the lazy entry ``name`` (its module and attribute) and store it."""
+        module, attribute = self._lazy[name].split(":")
+        obj = getattr(importlib.import_module(module), attribute)
+        self._add(name, obj)
+        del self._lazy[name]
+
     def _check_config_meta(self, name: str, meta: dict[str, Any]) -> None:
         """The config metadata of entry ``name``: ``config`` a dataclass type whose every field has a default,
-        ``config_checks`` callable, a section (the entry's or the registry's) for a ``config``.
+        ``config_checks`` callable, a section or a non-empty tuple of sections (the entry's or the registry's) for
+        a ``config``.
 
         Raises:
             TypeError: one of them is not so.
@@ -137,16 +183,22 @@ class Registry(Generic[T]):
                 raise TypeError(f"{where}: every field of config={config.__name__} needs a default (the value a "
                                 f"config that does not set it gets); none for {', '.join(missing)}")
             section = meta.get(SECTION, self.config_section)
-            if not isinstance(section, str):
-                raise TypeError(f"{where}: config= needs config_section= (the dotted section its keys join), "
-                                f"got {section!r}")
+            sections = section if isinstance(section, tuple) else (section,)
+            if not sections or not all(isinstance(s, str) for s in sections):
+                raise TypeError(f"{where}: config= needs config_section= (the dotted section its keys join, or a "
+                                f"tuple of them), got {section!r}")
         if checks is not None and not callable(checks):
             raise TypeError(f"{where}: config_checks= must be callable as checks(get) -> list[str], got {checks!r}")
 
     def config_entries(self) -> list[tuple[str, str, type]]:
-        """``(name, dotted section, dataclass)`` of every entry that declares a ``config``, by name."""
-        return [(n, self._meta[n].get(SECTION, self.config_section), self._meta[n][CONFIG])
-                for n in self.names() if self._meta[n].get(CONFIG) is not None]
+        """``(name, dotted section, dataclass)`` of every entry that declares a ``config``, by name, once per
+        section it joins (lazy entries too: nothing is imported)."""
+        out = []
+        for n in self.names():
+            if self._meta[n].get(CONFIG) is not None:
+                section = self._meta[n].get(SECTION, self.config_section)
+                out += [(n, s, self._meta[n][CONFIG]) for s in (section if isinstance(section, tuple) else (section,))]
+        return out
 
     def config_checks(self) -> list[tuple[str, Callable[[Callable[[str], Any]], list[str]]]]:
         """``(name, checks)`` of every entry that declares ``config_checks``, by name."""
@@ -155,13 +207,25 @@ class Registry(Generic[T]):
     def get(self, name: str) -> Any:
         """The entry registered under ``name``.
 
+        A lazy entry (:meth:`register_lazy`) is imported here the first time.
+
         Raises:
             UnknownNameError: ``name`` is not registered (the message lists the known names and the nearest).
+            ImportError, TypeError: a lazy entry's module does not import, or the kind's ``check`` refuses it.
         """
+        self._known(name)
+        if name in self._lazy:
+            self._resolve(name)
+        return self._entries[name]
+
+    def _known(self, name: Any) -> None:
+        """Raises :class:`UnknownNameError` unless ``name`` is registered (resolved or lazy); imports nothing."""
         try:
-            return self._entries[name]
-        except (KeyError, TypeError):  # TypeError: unhashable name
-            raise unknown_name_error(self.kind, name, self._entries, self._missing) from None
+            if name in self._meta:
+                return
+        except TypeError:  # unhashable name
+            pass
+        raise unknown_name_error(self.kind, name, self._meta, self._missing)
 
     def original(self, name: str) -> T:
         """The object as registered (before the adapter), raising like :meth:`get`."""
@@ -174,7 +238,7 @@ class Registry(Generic[T]):
         Raises:
             UnknownNameError: ``name`` is not registered.
         """
-        self.get(name)
+        self._known(name)
         if key is None:
             return dict(self._meta[name])
         return self._meta[name].get(key, default)
@@ -201,17 +265,22 @@ class Registry(Generic[T]):
 
     def names(self, **where: Any) -> list[str]:
         """Registered names, sorted; with ``where`` only those whose metadata has each given value."""
-        return sorted(n for n in self._entries if all(self._meta[n].get(k) == v for k, v in where.items()))
+        return sorted(n for n in self._meta if all(self._meta[n].get(k) == v for k, v in where.items()))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._entries
+        return isinstance(name, str) and name in self._meta
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._meta)
 
 
 def _qualname(obj: object) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _target(obj: object) -> str:
+    """``obj`` as a lazy target, ``module:qualname``."""
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"

@@ -40,6 +40,7 @@ TIERS: dict[str, str] = {
     "benchmarks/test_step_profile.py::test_matmul_rate_counts_two_flops_per_multiply_add": "dist",
     "benchmarks/test_tp_collectives.py": "dist",
     "config/test_driver_config.py::test_async_with_stale_samples_and_no_correction_exits_2_before_ray": "dist",
+    "config/test_registered_config.py::test_loading_a_config_imports_neither_ray_nor_transformers": "dist",
     "controller/test_call_timeout.py": "dist",
     "controller/test_colocated.py": "dist",
     "controller/test_controller_resource_pool.py": "dist",

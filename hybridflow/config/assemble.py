@@ -3,7 +3,9 @@ dataclasses the registry entries bring (``config=`` metadata, :mod:`hybridflow.r
 
 Each section that an entry extends becomes a dataclass derived from its central class with the entry's fields
 appended (``actor_rollout_ref.actor`` gains ``aipo_rho`` from the ``aipo`` policy loss, the root gains
-``async_training`` from the ``async`` driver), so the keys a user writes are those of verl however the schema is
+``async_training`` from the ``async`` driver; an entry may extend several sections: the ``fsdp2`` training engine
+adds its ``fsdp_config`` sub-section to the actor and the critic, ``megatron`` its ``megatron`` sub-section to the
+actor, the reference and the critic), so the keys a user writes are those of verl however the schema is
 built, an unknown key is still refused with the nearest valid one, and a plugin's keys (its module imported through
 ``trainer.plugins`` before the schema is built) are validated like the built-in ones. Every registered entry
 contributes, whichever one a config selects: a key exists as long as its entry is registered.
@@ -31,13 +33,15 @@ __all__ = ["REGISTRIES", "assembled_schema", "central_class", "entry_checks", "f
            "section_class"]
 
 #: (module, attribute) of every registry whose entries may bring config: a Registry, or a function returning one.
-#: Not the training engines yet: importing ``hybridflow.training`` imports Ray, which config loading must not.
+#: The training engines' registry imports neither torch nor Ray: the built-in engines register lazily from light
+#: modules (hybridflow/training/fsdp2_config.py, megatron_config.py), the engine classes are imported when built.
 REGISTRIES: tuple[tuple[str, str], ...] = (
     ("hybridflow.algorithms", "POLICY_LOSSES"),
     ("hybridflow.algorithms", "ADV_ESTIMATORS"),
     ("hybridflow.trainer.driver", "driver_registry"),
     ("hybridflow.rollout", "ROLLOUTS"),
     ("hybridflow.tools", "TOOLS"),
+    ("hybridflow.training", "ENGINES"),
 )
 
 Get = Callable[[str], Any]

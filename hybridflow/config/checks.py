@@ -98,59 +98,23 @@ def parallel_layout_problems(get: Callable[[str], Any]) -> list[str]:
     return problems
 
 
-def fsdp_size_problems(get: Callable[[str], Any]) -> list[str]:
-    """``fsdp_config.fsdp_size`` of the actor and the critic: ``auto``, ``-1`` (shard over every dp rank) or ``1``
-    (replicate; not with the actor's fsdp2 tensor parallelism). Hybrid sharding (another size) is not implemented."""
-    problems = []
-    for section in ("actor_rollout_ref.actor", "critic"):
-        raw = get(f"{section}.fsdp_config.fsdp_size")
-        value = str(raw).lower()
-        if value not in ("auto", "-1", "1"):
-            hybrid = " (sharding over groups of that many ranks, hybrid sharding, is not implemented)"
-            problems.append(f"{section}.fsdp_config.fsdp_size must be auto, -1 (shard over every dp rank) or 1 "
-                            f"(replicate), got {raw!r}{hybrid if value.isdigit() else ''}")
-    tp = get("actor_rollout_ref.actor.tensor_model_parallel_size")
-    if str(get("actor_rollout_ref.actor.fsdp_config.fsdp_size")) == "1" and tp > 1:
-        problems.append(f"actor_rollout_ref.actor.fsdp_config.fsdp_size=1 (replicated) is not supported with "
-                        f"actor_rollout_ref.actor.tensor_model_parallel_size={tp}: use -1 or auto")
-    return problems
-
-
 def trained_model_problems(get: Callable[[str], Any]) -> list[str]:
     """Settings of a trained model (the actor; the critic when one is trained) that would only fail or go wrong
     after the workers start: ``dtype=float16`` (pure fp16 weights and AdamW states with no loss scaling: the
     quickstart's policy collapsed within two steps; auto computes in bf16 over fp32 master weights where bf16
-    pays), and ``fsdp_config.reshard_after_forward=false`` with LoRA adapters under an engine that reads
-    ``fsdp_config`` (fsdp2; refused by the engine,
-    :func:`hybridflow.distributed.fsdp.resolve_reshard_after_forward`)."""
+    pays). The engine's own settings are checked by its registration (fsdp2: ``reshard_after_forward=false`` with
+    LoRA adapters, :mod:`hybridflow.training.fsdp2_config`)."""
     from hybridflow.algorithms import need_critic_for
 
-    roles = [("actor_rollout_ref.model", "actor_rollout_ref.actor")]
+    models = ["actor_rollout_ref.model"]
     if need_critic_for(get("critic.enable"), get("algorithm.adv_estimator")):
-        roles.append(("critic.model", "critic"))
+        models.append("critic.model")
     problems = []
-    for model, trainer in roles:
+    for model in models:
         if str(get(f"{model}.dtype")).lower() in ("float16", "fp16"):
             problems.append(f"{model}.dtype=float16: hybridflow does not train in fp16 (no loss scaling); use "
                             "auto (bf16 compute over fp32 master weights where bf16 pays), bfloat16 or float32")
-        lora = (get(f"{model}.lora_rank") or 0) > 0
-        if lora and str(get(f"{trainer}.fsdp_config.reshard_after_forward")).lower() == "false" and \
-                _engine_reads(get(f"{trainer}.strategy"), "fsdp_config"):
-            problems.append(f"{trainer}.fsdp_config.reshard_after_forward=false is not supported with LoRA "
-                            f"adapters ({model}.lora_rank > 0): use auto or true")
     return problems
-
-
-def _engine_reads(engine: str, subsection: str) -> bool:
-    """Whether the training engine ``engine`` reads the role sub-section ``subsection`` (its registration's
-    ``config_subsection``); imports the engine registry (and Ray), so callers ask only when it matters."""
-    from hybridflow.registry import UnknownNameError
-    from hybridflow.training import ENGINES
-
-    try:
-        return ENGINES.meta(engine, "config_subsection") == subsection
-    except UnknownNameError:
-        return False
 
 
 def driver_problems(get: Callable[[str], Any]) -> list[str]:
@@ -222,7 +186,8 @@ def mismatch_problems(get: Callable[[str], Any]) -> list[str]:
 
 def strategy_problems(get: Callable[[str], Any]) -> list[str]:
     """Each ``*.strategy`` must name a registered training engine (:data:`hybridflow.training.ENGINES`; a user
-    engine registers from a plugin module). The registry is imported only when a value is not the default."""
+    engine registers from a plugin module). Each engine's own keys are checked by its registration's
+    ``config_checks``."""
     names = {key: get(key) for key in STRATEGY_KEYS}
     if all(name == DEFAULT_STRATEGY for name in names.values()):
         return megatron_problems(get)

@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.config.sp_checks import sequence_parallel_problems
 from hybridflow.config.checks import (batch_problems, choice_problems, dapo_problems, driver_problems,
-                                      fsdp_size_problems, logger_problems, mismatch_problems,
+                                      logger_problems, mismatch_problems,
                                       parallel_layout_problems, reward_fn_problems, rollout_package_problems,
                                       score_model_problems, strategy_problems, trained_model_problems)
 from hybridflow.config.assemble import assembled_schema, entry_checks
@@ -478,7 +478,7 @@ def _semantic_problems(cfg: DictConfig, bad_paths: set[str], schema: type) -> li
                lambda: reward_fn_problems(get), lambda: strategy_problems(get),
                lambda: parallel_layout_problems(get), lambda: lora_problems(get) + lora_rollout_problems(get),
                lambda: multi_turn_problems(get),
-               lambda: fsdp_size_problems(get), lambda: trained_model_problems(get), lambda: mismatch_problems(get),
+               lambda: trained_model_problems(get), lambda: mismatch_problems(get),
                lambda: sequence_parallel_problems(get), lambda: router_replay_problems(get)]
     problems: list[str] = []
     for check in checks:

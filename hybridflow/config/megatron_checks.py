@@ -1,6 +1,8 @@
-"""Load-time checks of the ``*.megatron`` layout sections, decided by each role's engine registration (its
-``layout_section``, ``requires_package`` and ``install_hint`` metadata, :mod:`hybridflow.training`); the per-role
-engine layout the workers build from them is :func:`hybridflow.training.engine_layout`."""
+"""Load-time checks of the ``*.megatron`` layout sections against each role's pool and the other roles, decided by
+each role's engine registration (its ``layout_section``, ``requires_package`` and ``install_hint`` metadata,
+:mod:`hybridflow.training`), so a user engine reading the ``megatron`` layout gets them too; the per-role engine
+layout the workers build from them is :func:`hybridflow.training.engine_layout`. The section itself and the checks
+of its own values are the megatron engine's (:mod:`hybridflow.training.megatron_config`)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def _installed(package: str) -> bool:
 
 def _engine_meta() -> Callable[[str, str], Any]:
     """``meta(engine, key)``: a registration's metadata of the training-engine registry (None for an unknown engine,
-    which :func:`hybridflow.config.checks.strategy_problems` reports). Imports the registry (and Ray with it)."""
+    which :func:`hybridflow.config.checks.strategy_problems` reports)."""
     from hybridflow.registry import UnknownNameError
     from hybridflow.training import ENGINES
 

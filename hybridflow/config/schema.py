@@ -8,6 +8,10 @@ easily. Differences from verl are noted on the key. Batch sizes are counted in p
 
 The YAML recipes in ``hybridflow/recipes`` are deltas on these defaults; ``hybridflow.config.load_config``
 merges a recipe and ``key=value`` overrides into this schema and rejects unknown keys and wrong types.
+
+Registry entries bring their own keys (:mod:`hybridflow.config.assemble`): a policy loss's, a driver's, a rollout
+backend's, and each training engine's sub-section of the role sections (``fsdp_config`` from
+:mod:`hybridflow.training.fsdp2_config`, ``megatron`` from :mod:`hybridflow.training.megatron_config`).
 """
 
 from __future__ import annotations
@@ -31,21 +35,6 @@ class OptimConfig:
 
 
 @dataclass
-class FSDPConfig:
-    # actor: while generating (hf rollout's 3D-HybridEngine); critic: between its calls. A no-op on CPU
-    param_offload: bool = False  # keep params (and grads) on host memory between phases
-    optimizer_offload: bool = False  # keep optimizer state on host memory between phases
-    # free each unit's gathered weights after its forward (true: ZeRO-3) or keep them to the backward (false: one
-    # all-gather less per unit and micro-batch; a frozen reference keeps them); auto: false for a model whose
-    # weights take <= 1/16 of a rank's memory, without param_offload or LoRA (false is refused with LoRA)
-    reshard_after_forward: str = "auto"
-    # the group a parameter is sharded over (verl's key): -1 = every dp rank (FSDP2), 1 = none (each rank holds the
-    # whole model, gradients averaged once per optimizer step: no gathers per micro-batch); auto: 1 when weights,
-    # gradients and AdamW state take <= 1/16 of a rank's memory, without param_offload, LoRA or tp
-    fsdp_size: Any = "auto"
-
-
-@dataclass
 class ModelConfig:
     path: str = "builtin:tiny-arith"  # local HF model directory, or builtin:tiny-arith (shipped with hybridflow)
     tokenizer_path: Optional[str] = None  # defaults to path
@@ -66,21 +55,6 @@ class ModelConfig:
     target_modules: Any = "all-linear"  # modules given adapters: all-linear (every Linear but the output head) | [names]
     exclude_modules: Optional[list[str]] = None  # module names (peft matching) left without adapters; null = none
     lora_dropout: float = 0.0  # dropout on the adapter input (training forward only)
-
-
-@dataclass
-class MegatronConfig:
-    # strategy=megatron (Megatron-core; pip install -e ".[megatron]"): tp x pp must divide the role's ranks, dp =
-    # ranks / (tp * pp). The actor and its reference share one process, so they share one (tp, pp)
-    tensor_model_parallel_size: int = 1  # Megatron tensor parallel size (heads, MLP and vocabulary split)
-    pipeline_model_parallel_size: int = 1  # Megatron pipeline stages (layers split evenly; 1F1B schedule)
-    # Megatron context parallelism: must stay 1 (megatron-core 0.16.1 runs it only in TransformerEngine's attention;
-    # long sequences: ulysses_sequence_parallel_size with strategy=fsdp2)
-    context_parallel_size: int = 1
-    # Megatron expert parallelism of a mixture-of-experts model (Qwen3-MoE / Qwen2-MoE / Mixtral): each layer's
-    # experts split over ep ranks (all-to-all token dispatch); must divide dp * tp and the number of experts
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1  # tp inside each expert; only 1 (experts whole on their EP rank)
 
 
 @dataclass
@@ -137,9 +111,7 @@ class ActorConfig:
     # Ulysses sequence parallelism (fsdp2): ranks per dp group that share a batch and split each sequence (dp =
     # ranks / sp); activation memory per rank ~1/sp (docs/how-to/long-sequences.md)
     ulysses_sequence_parallel_size: int = 1
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of strategy=megatron
     optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -200,7 +172,6 @@ class RolloutConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # sequences per forward for reference logprobs
     log_prob_max_token_len_per_gpu: int = 16384  # actor.use_dynamic_bsz: valid tokens per reference forward
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # actor.strategy=megatron: = actor.megatron
     # the reference runs on the actor's layout: 1 (follow the actor's) or the actor's ulysses_sequence_parallel_size
     ulysses_sequence_parallel_size: int = 1
 
@@ -230,8 +201,6 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  # how the value loss is averaged (the actor's modes)
     grad_clip: float = 1.0  # max global grad norm
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # the layout of critic.strategy=megatron
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     ulysses_sequence_parallel_size: int = 1  # Ulysses sp of the value model (as actor.ulysses_sequence_parallel_size)
 
 

@@ -11,13 +11,12 @@ from typing import Any, Callable, Optional
 
 from hybridflow.mapping.layouts import pool_ranks
 
-__all__ = ["MEGATRON_CP_SECTIONS", "SP_SECTIONS", "context_parallel_problems", "sequence_parallel_problems"]
+__all__ = ["SP_SECTIONS", "sequence_parallel_problems"]
 
 KEY = "ulysses_sequence_parallel_size"
 #: a role's config section -> (its strategy key, the layouts role whose pool it runs on, its model path key)
 SP_SECTIONS = {"actor_rollout_ref.actor": ("actor_rollout_ref.actor.strategy", "actor", "actor_rollout_ref.model.path"),
                "critic": ("critic.strategy", "critic", "critic.model.path")}
-MEGATRON_CP_SECTIONS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")
 
 
 def _attention_heads(path: str) -> Optional[int]:
@@ -65,19 +64,6 @@ def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str
     return []
 
 
-def context_parallel_problems(get: Callable[[str], Any]) -> list[str]:
-    """``*.megatron.context_parallel_size`` > 1 is refused: megatron-core 0.16.1's own attention
-    (``DotProductAttention``, the one without TransformerEngine) asserts ``context_parallel_size == 1``, and
-    TransformerEngine has no CPU build (measured: docs/how-to/long-sequences.md)."""
-    problems = []
-    for section in MEGATRON_CP_SECTIONS:
-        size = get(f"{section}.megatron.context_parallel_size")
-        if size != 1:
-            problems.append(f"{section}.megatron.context_parallel_size={size}: Megatron context parallelism needs "
-                            "TransformerEngine (not supported); use strategy=fsdp2 with ulysses_sequence_parallel_size")
-    return problems
-
-
 def sequence_parallel_problems(get: Callable[[str], Any]) -> list[str]:
     """The sp keys: >= 1; > 1 only with an engine registered ``sequence_parallel=True`` (fsdp2), without the DTensor
     tp, dividing the role's ranks and the model's attention heads; the reference's is 1 (it follows the actor's)
@@ -91,4 +77,4 @@ def sequence_parallel_problems(get: Callable[[str], Any]) -> list[str]:
     if ref not in (1, actor):
         problems.append(f"actor_rollout_ref.ref.{KEY}={ref} must equal actor_rollout_ref.actor.{KEY}={actor} (or "
                         "stay 1): the reference runs on the actor's ranks and layout")
-    return problems + context_parallel_problems(get)
+    return problems  # *.megatron.context_parallel_size: the megatron engine's own check (training/megatron_config.py)

@@ -5,26 +5,26 @@ layout and placement these abilities rule out and says why (``SearchResult.exclu
 ``search.excluded``). The same table checks a config's ``layouts`` section at load
 (``hybridflow.config.layouts``).
 
-What hybridflow's workers run today (``hybridflow/workers``):
+Each training engine declares what its workers run as ``abilities=`` metadata of its registration
+(:data:`hybridflow.training.ENGINES`; the built-ins in ``hybridflow/training/fsdp2_config.py`` and
+``megatron_config.py``, each with the code it was read from); :data:`ENGINE_ABILITIES` is built from the registered
+engines (a plugin engine that declares abilities is planned for like a built-in one). Today:
 
-- the actor trains with FSDP2 over dp and DTensor tensor parallelism over tp
-  (``actor.tensor_model_parallel_size``), on every rank of its pool: pp = 1, tp x dp = the pool's ranks;
-- the actor generates with tp_g x dp_g on the same ranks (``rollout.tensor_model_parallel_size``; the
-  3D-HybridEngine needs tp and tp_g to divide one another, which the search already requires): no pipeline;
-- the reference runs inside the actor's process (``ActorRolloutRefWorker``) on the actor's training mesh: it
-  must be in the actor's set, with the actor's training layout;
-- the critic, the reward and cost models and the cost critic shard with FSDP2 over all ranks of their pool:
-  pp = 1, tp = 1;
-- the actor, reference and critic may split each sequence over sp of their dp ranks (Ulysses,
+- ``fsdp2``: the actor trains with FSDP2 over dp and DTensor tensor parallelism over tp
+  (``actor.tensor_model_parallel_size``), on every rank of its pool: pp = 1, tp x dp = the pool's ranks; the
+  critic, the reward and cost models and the cost critic shard over all ranks of their pool (pp = 1, tp = 1); the
+  actor, reference and critic may split each sequence over sp of their dp ranks (Ulysses,
   ``*.ulysses_sequence_parallel_size``; pp = tp = 1), never while generating
-  (:mod:`hybridflow.mapping.sequence_parallel`);
-- no role runs expert parallelism on fsdp2 (``ep_roles`` empty): an MoE model's experts shard with FSDP like any
-  weight. Megatron-LM (``unrestricted``, the paper's system) runs it for every role
-  (``expert_model_parallel_size``; :mod:`hybridflow.mapping.expert_parallel`).
+  (:mod:`hybridflow.mapping.sequence_parallel`); no expert parallelism (FSDP shards the experts like any weight);
+- ``megatron``: the actor and the critic train on Megatron-core tp x pp x dp of their ``megatron`` sections (+ ep
+  for an MoE model, ``expert_model_parallel_size``; :mod:`hybridflow.mapping.expert_parallel`); the reward and
+  cost models and the cost critic run dp only; no Ulysses sp;
+- with both, the actor generates with tp_g x dp_g on the same ranks (``rollout.tensor_model_parallel_size``; the
+  3D-HybridEngine needs tp and tp_g to divide one another, which the search already requires): no pipeline; the
+  reference runs inside the actor's process (``ActorRolloutRefWorker``) on the actor's training layout: it must be
+  in the actor's set, with the actor's training layout.
 
-TODO(merge): hybridflow/training (the TrainEngine registry) will carry each engine's abilities as registry
-metadata (e.g. ``max_pp=1`` for fsdp2); ``ENGINE_ABILITIES`` below is the stand-in until then, and the only
-place that states them.
+Megatron-LM (``unrestricted``, the paper's system) runs any layout for every role.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from hybridflow.mapping.cost import Layout
 from hybridflow.mapping.specs import SpecError
+from hybridflow.training import ENGINES
 
 __all__ = ["ENGINE_ABILITIES", "Abilities", "UNRESTRICTED", "get_abilities"]
 
@@ -47,6 +48,7 @@ class Abilities:
         max_pp: largest pipeline-parallel size of training and forward passes (None: no limit).
         max_gen_pp: largest pipeline-parallel size of the actor's generation (None: no limit).
         tp_roles: roles that can run tensor parallel (None: every role).
+        pp_roles: roles that can run pipeline parallel, up to ``max_pp`` (None: every role).
         reference_with_actor: the reference runs in the actor's process, so it must share the actor's set and
             training layout.
         sp_roles: roles that can split sequences with Ulysses sequence parallelism (``Layout.sp > 1``) in training
@@ -62,6 +64,7 @@ class Abilities:
     reference_with_actor: bool = False
     sp_roles: frozenset[str] = frozenset()
     ep_roles: frozenset[str] | None = None
+    pp_roles: frozenset[str] | None = None
 
     def layout_reason(self, role: str, layout: Layout, generate: bool = False) -> str | None:
         """Why ``role`` cannot run on ``layout`` (its generation layout with ``generate``), or None if it can."""
@@ -69,6 +72,8 @@ class Abilities:
         if limit is not None and layout.pp > limit:
             what = "generation" if generate else "training and forward passes"
             return f"pp > {limit}: {self.name} has no pipeline parallelism for {what} (max_pp={limit})"
+        if not generate and layout.pp > 1 and self.pp_roles is not None and role not in self.pp_roles:
+            return f"pp > 1 for {role}: its {self.name} worker runs no pipeline parallelism (pp=1)"
         if not generate and layout.tp > 1 and self.tp_roles is not None and role not in self.tp_roles:
             return f"tp > 1 for {role}: its {self.name} worker shards over data parallelism only (tp=1)"
         return self.sp_reason(role, layout, generate) or self.ep_reason(role, layout, generate)
@@ -103,24 +108,33 @@ class Abilities:
         return None
 
 
-# fsdp2 (hybridflow/workers + distributed/fsdp.py): FSDP2 x DTensor tp for the actor only, no pipeline anywhere,
-# the reference inside the actor's process. Values from the workers' code (see the module docstring).
-ENGINE_ABILITIES: dict[str, Abilities] = {
-    "fsdp2": Abilities("fsdp2", max_pp=1, max_gen_pp=1, tp_roles=frozenset({"actor", "reference"}),
-                       reference_with_actor=True, sp_roles=frozenset({"actor", "reference", "critic"}),
-                       ep_roles=frozenset()),
-}
+def _from_registry() -> dict[str, Abilities]:
+    """Engine name -> its :class:`Abilities`, for every registered engine that declares ``abilities`` (a dict of
+    plain values: ints, bools and tuples of role names; the role sets become frozensets)."""
+    out = {}
+    for name in ENGINES.names():
+        declared = ENGINES.meta(name, "abilities")
+        if declared is not None:
+            values = {k: frozenset(v) if isinstance(v, (tuple, list, set, frozenset)) else v
+                      for k, v in declared.items()}
+            out[name] = Abilities(name, **values)
+    return out
+
+
+#: the registered engines' abilities at import (:func:`get_abilities` also finds an engine registered later)
+ENGINE_ABILITIES: dict[str, Abilities] = _from_registry()
 UNRESTRICTED = Abilities("unrestricted")
 
 
 def get_abilities(name: str) -> Abilities:
-    """The abilities of engine ``name`` (a key of ``ENGINE_ABILITIES``) or ``unrestricted``.
+    """The abilities of engine ``name`` (a registered engine that declares them) or ``unrestricted``.
 
     Raises:
-        SpecError: unknown name; the message lists the known ones.
+        SpecError: unknown name (or an engine that declares no abilities); the message lists the known ones.
     """
     if name == UNRESTRICTED.name:
         return UNRESTRICTED
+    ENGINE_ABILITIES.update(_from_registry())  # a plugin engine registered after this module was imported
     if name not in ENGINE_ABILITIES:
         raise SpecError(f"unknown engine {name!r}; known: {sorted(ENGINE_ABILITIES) + [UNRESTRICTED.name]}")
     return ENGINE_ABILITIES[name]

@@ -3,7 +3,8 @@ shape, the workload the plan was made for, the resource pools, the role-to-pool 
 (``layouts``, applied at load by ``hybridflow.config.layouts``).
 
 Only plans that ``train`` can run are emitted: every layout and placement must be within the registered engine's
-abilities (``hybridflow.mapping.abilities``; ``hybridflow plan`` searches within them). Plan roles map to the
+abilities (``hybridflow.mapping.abilities``; ``hybridflow plan`` searches within them), and the config names that
+engine (the actor's and the critic's ``strategy``). Plan roles map to the
 config's worker roles: actor -> ``actor`` (its process also runs the reference), critic -> ``critic``, reward
 model -> ``reward_model``, cost -> ``cost_model``, cost critic -> ``cost_critic``; every pool holds at least one of
 them, so every device the plan counts is used.
@@ -22,6 +23,7 @@ from hybridflow.mapping.sequence_parallel import SP_CONFIG_KEYS
 from hybridflow.mapping.layouts import PHASES as LAYOUT_PHASES  # layouts written per plan role
 from hybridflow.mapping.search import Plan, pack_sets
 from hybridflow.mapping.specs import MODEL_PRESETS, ClusterSpec, ModelSpec, SpecError, Workload
+from hybridflow.training import ENGINES
 
 __all__ = ["plan_problems", "plan_to_config", "plan_to_yaml", "write_config"]
 
@@ -123,7 +125,8 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
                    models: dict[str, ModelSpec] | None = None,
                    abilities: Abilities = ENGINE_ABILITIES["fsdp2"]) -> tuple[dict, list[str]]:
     """The config of ``plan`` and the comment lines that explain what it could not express. ``models``: the
-    plan's models by role (their paths are written when known).
+    plan's models by role (their paths are written when known); ``abilities``: the training engine the plan was
+    made for, written as the actor's and the critic's ``strategy``.
 
     Raises:
         SpecError: the plan is beyond ``abilities`` (``plan_problems``), the workload's batch does not split into
@@ -147,8 +150,8 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
                     "device": "cpu" if cluster.device.name == "cpu" else "cuda"},
         "data": {"train_batch_size": workload.batch, "max_prompt_length": workload.prompt_len,
                  "max_response_length": workload.response_len},
-        "actor_rollout_ref": {"actor": dict(update), "rollout": {"n": workload.n}},
-        "critic": {"enable": True, **update} if "critic" in roles else {"enable": False},
+        "actor_rollout_ref": {"actor": {"strategy": abilities.name, **update}, "rollout": {"n": workload.n}},
+        "critic": {"enable": True, "strategy": abilities.name, **update} if "critic" in roles else {"enable": False},
         "resource_pool": {"pools": pools, "mapping": mapping},
         "layouts": _layouts(plan),
     }
@@ -160,9 +163,32 @@ def plan_to_config(plan: Plan, cluster: ClusterSpec, workload: Workload,
             for part in section.split("."):
                 node = node.setdefault(part, {})
             node[name] = sp
+    _expert_keys(plan, abilities, config, notes)
     _model_keys(plan, models, config, notes)
     config["algorithm"] = _algorithm_keys(workload.algorithm, notes)
     return config, notes
+
+
+#: plan role -> the config section whose engine layout section holds its expert parallel size
+EXPERT_SECTIONS = {"actor": ("actor_rollout_ref", "actor"), "critic": ("critic",)}
+
+
+def _expert_keys(plan: Plan, abilities: Abilities, config: dict, notes: list[str]) -> None:
+    """The ep of the actor's and the critic's training layouts, as ``expert_model_parallel_size`` of their engine's
+    layout section (its registration's ``layout_section``: megatron); a note where the engine has none."""
+    layout_section = ENGINES.declared(abilities.name, "layout_section")
+    for role, path in EXPERT_SECTIONS.items():
+        ep = max((ph.layout.ep for est in plan.sets for ph in est.phases if ph.role == role and ph.kind == "train"),
+                 default=1)
+        if ep == 1:
+            continue
+        if layout_section is None:
+            notes.append(f"{role}: planned with ep={ep}, which engine {abilities.name} cannot set")
+            continue
+        node = config
+        for part in (*path, layout_section):
+            node = node.setdefault(part, {})
+        node["expert_model_parallel_size"] = ep
 
 
 def _algorithm_keys(algorithm: str, notes: list[str]) -> dict[str, str]:
@@ -189,22 +215,25 @@ _Dumper.add_representer(list, lambda dumper, data: dumper.represent_sequence("ta
 
 
 def plan_to_yaml(plan: Plan, cluster: ClusterSpec, workload: Workload,
-                 models: dict[str, ModelSpec] | None = None) -> str:
+                 models: dict[str, ModelSpec] | None = None,
+                 abilities: Abilities = ENGINE_ABILITIES["fsdp2"]) -> str:
     """``plan_to_config`` as YAML text led by comments (the plan, its estimate, and the notes)."""
-    config, notes = plan_to_config(plan, cluster, workload, models)
+    config, notes = plan_to_config(plan, cluster, workload, models, abilities)
     stages = ", ".join(f"{k} {v:.3g} s" for k, v in plan.stage_seconds.items())
     head = [f"hybridflow plan: {workload.algorithm} on {cluster} ({cluster.n_devices} devices)",
             f"placement: {plan.describe()}",
             f"estimated iteration: {plan.seconds:.4g} s ({stages})",
-            "layouts are [pp, tp, dp] per role and phase; train applies them (actor and rollout tp) and logs them",
+            "layouts are [pp, tp, dp] per role and phase; train applies them (the training engine's tp and pp, the "
+            "rollout's tp) and logs them",
             *notes]
     body = yaml.dump(config, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
     return "".join(f"# {line}\n" for line in head) + body
 
 
 def write_config(path: str | Path, plan: Plan, cluster: ClusterSpec, workload: Workload,
-                 models: dict[str, ModelSpec] | None = None) -> str:
-    """Write ``plan_to_yaml`` to ``path`` and return the text."""
-    text = plan_to_yaml(plan, cluster, workload, models)
+                 models: dict[str, ModelSpec] | None = None,
+                 abilities: Abilities = ENGINE_ABILITIES["fsdp2"]) -> str:
+    """Write ``plan_to_yaml`` (the plan made within ``abilities``) to ``path`` and return the text."""
+    text = plan_to_yaml(plan, cluster, workload, models, abilities)
     Path(path).write_text(text)
     return text

@@ -86,9 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest pipeline-parallel size of generation (1: tp x dp only, as hybridflow's rollouts "
                             "and vLLM generate; default: --max-pp)")
     space.add_argument("--engine", choices=(*ENGINE_ABILITIES, UNRESTRICTED.name), default="fsdp2",
-                       help="training engine whose abilities bound the search (hybridflow/mapping/abilities.py; "
-                            "default fsdp2, what `hybridflow train` runs); unrestricted: any layout and placement, "
-                            "as the paper's system (cannot be emitted as a config)")
+                       help="training engine whose abilities bound the search (declared by its registration, "
+                            "hybridflow/training/*_config.py; default fsdp2, what `hybridflow train` runs by "
+                            "default); unrestricted: any layout and placement, as the paper's system (cannot be "
+                            "emitted as a config)")
     space.add_argument("--unit", type=int, default=None, help="set sizes: divisors and multiples of this "
                                                               "(default: devices per node)")
     parser.add_argument("--top-k", type=int, default=5, help="plans to list")
@@ -121,7 +122,8 @@ def _build(args: argparse.Namespace) -> tuple[MappingSearch, Workload]:
     if args.top_k < 1:
         raise SpecError(f"--top-k must be >= 1, got {args.top_k}")
     if args.emit_config and args.engine == UNRESTRICTED.name:
-        raise SpecError("--emit-config needs an engine `hybridflow train` runs (--engine fsdp2), not unrestricted")
+        raise SpecError(f"--emit-config needs an engine `hybridflow train` runs (--engine "
+                        f"{' | '.join(ENGINE_ABILITIES)}), not unrestricted")
     abilities = get_abilities(args.engine)
     return MappingSearch(_models(args, workload.roles), workload, cluster, params, space, abilities), workload
 
@@ -168,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.emit_config:
         try:
-            write_config(args.emit_config, result.best, searcher.cluster, workload, searcher.models)
+            write_config(args.emit_config, result.best, searcher.cluster, workload, searcher.models,
+                         searcher.abilities)
         except (SpecError, OSError) as exc:
             print(f"error: cannot write {args.emit_config}: {exc}", file=sys.stderr)
             return 2

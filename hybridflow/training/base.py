@@ -3,7 +3,8 @@ ranks of a worker group, whatever does the parallelism underneath (FSDP2 + DTens
 
 Workers (actor, reference, critic, reward and cost models) and the 3D-HybridEngine talk to a model only through
 this contract; none of them touches FSDP, DTensor or an optimizer directly. Engines register by name with
-:func:`register_engine` and are chosen by the ``strategy`` key of a role's config section
+:func:`~hybridflow.training.engine_registry.register_engine` (re-exported here) and are chosen by the ``strategy``
+key of a role's config section
 (``actor_rollout_ref.actor.strategy``, ``critic.strategy``, ``reward_model.strategy``, ``cost_model.strategy``).
 
 Lifecycle (every rank of the group calls these together, in the same order: most of them are collectives):
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
-from hybridflow.registry import Registry
+from hybridflow.training.engine_registry import ENGINES, get_engine_class, register_engine, registered_engines
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from hybridflow.algorithms.sampling import SamplingSpec
@@ -317,43 +318,6 @@ class TrainEngine(abc.ABC):
             yield
         finally:
             self.offload()
-
-
-def _check_engine(name: str, cls: object) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, TrainEngine)):
-        raise TypeError(f"register_engine({name!r}) expects a TrainEngine subclass, got {cls!r}")
-
-
-ENGINES: Registry[type[TrainEngine]] = Registry("training engine", check=_check_engine)
-
-
-def register_engine(name: str, **meta: Any) -> Callable[[type[TrainEngine]], type[TrainEngine]]:
-    """Class decorator registering a :class:`TrainEngine` subclass under ``name`` (the ``strategy`` value).
-
-    Metadata the config checks read (so no check decides on an engine's name): ``layout_section`` (the
-    sub-section of a role's config holding its (tp, pp) layout: ``"megatron"``), ``config_subsection`` (another
-    sub-section it reads: fsdp2's ``"fsdp_config"``), ``requires_package`` and ``install_hint`` (a config naming
-    the engine without that package is refused at load).
-
-    Raises:
-        TypeError: the class is not a TrainEngine subclass.
-        ValueError: ``name`` is taken by another class.
-    """
-    return ENGINES.register(name, **meta)
-
-
-def get_engine_class(name: str) -> type[TrainEngine]:
-    """The engine registered under ``name``.
-
-    Raises:
-        hybridflow.registry.UnknownNameError: unknown name (the message lists the registered engines).
-    """
-    return ENGINES.get(name)
-
-
-def registered_engines() -> list[str]:
-    """Sorted names of the registered engines."""
-    return ENGINES.names()
 
 
 def engine_layout(strategy: str, section: Any, world: int, fsdp_tp: int = 1, sp: int = 1) -> ParallelLayout:

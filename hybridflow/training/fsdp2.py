@@ -26,7 +26,7 @@ from hybridflow.distributed.replicate import GradientBuckets, resolve_fsdp_size
 from hybridflow.distributed.tp import tp_dims
 from hybridflow.models.vlm import freeze_vision_tower, install_dummy_vision
 from hybridflow.protocol import DataProto
-from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec, register_engine
+from hybridflow.training.base import EngineSpec, ParallelLayout, TrainEngine, WeightSpec
 from hybridflow.training.dtype_probe import model_step_timer
 from hybridflow.training.micro import apply_gradients, response_forward
 from hybridflow.training.packing import packed_forward, use_fp32_attention_backward
@@ -72,8 +72,7 @@ def _reshard(module: torch.nn.Module) -> None:
             sub.reshard()
 
 
-@register_engine("fsdp2", pipeline_parallel=False, config_subsection="fsdp_config", sequence_parallel=True,
-                 router_replay=("rollout", "recompute"))
+# registered (lazily, with its config section, checks and abilities) by hybridflow.training.fsdp2_config
 class FSDP2Engine(TrainEngine):
     """FSDP2 + DTensor tp (see the module docstring). Build with :meth:`build`, or wrap a module that is already
     laid out (or plain, single process) with :meth:`from_module`.

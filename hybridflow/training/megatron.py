@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hybridflow.algorithms.sampling import SamplingSpec
 from hybridflow.models.vlm import refuse_vision_model
 from hybridflow.protocol import DataProto
-from hybridflow.training.base import EngineSpec, TrainEngine, WeightSpec, register_engine
+from hybridflow.training.base import EngineSpec, TrainEngine, WeightSpec
 from hybridflow.training.megatron_cpu import cpu_adapter
 from hybridflow.training.megatron_pipeline import broadcast_outputs, make_forward_step
 from hybridflow.training.megatron_replay import routing_replay
@@ -32,12 +32,7 @@ from hybridflow.training.megatron_setup import build_megatron_model, stage_of
 __all__ = ["MegatronEngine"]
 
 
-# process_wide_state: megatron-core keeps its parallel state (and its RNG tracker) per process, so two megatron
-# engines of colocated roles would share one layout and seed (the trainer keeps such roles in separate processes);
-# layout_section: a role's (tp, pp) come from its ``megatron`` sub-section (hybridflow.training.engine_layout)
-@register_engine("megatron", pipeline_parallel=True, process_wide_state=True, layout_section="megatron",
-                 router_replay=("rollout",),
-                 requires_package="megatron.core", install_hint='megatron-core: pip install -e ".[megatron]"')
+# registered (lazily, with its config section, checks and abilities) by hybridflow.training.megatron_config
 class MegatronEngine(TrainEngine):
     """Megatron-core tp x pp x dp (see the module docstring); build with :meth:`build`.
 

@@ -181,3 +181,112 @@ def test_an_engines_registration_decides_which_layout_section_it_reads():
                            "critic.strategy=fsdp2")
     finally:
         ENGINES.unregister("cfg_pp_engine")
+
+
+def test_engine_sections_keep_their_paths_and_defaults():
+    """fsdp2's ``fsdp_config`` (actor, critic) and megatron's ``megatron`` (actor, ref, critic) are declared by the
+    engines' registrations, not centrally, at the paths and with the defaults users write."""
+    from hybridflow.config.schema import CriticConfig, RefConfig
+
+    for central in (ActorConfig, RefConfig, CriticConfig):
+        assert not {"fsdp_config", "megatron"} & {f.name for f in dataclasses.fields(central)}
+    cfg = load_config(None)
+    for role in (cfg.actor_rollout_ref.actor, cfg.critic):
+        assert dict(role.fsdp_config) == {"param_offload": False, "optimizer_offload": False,
+                                             "reshard_after_forward": "auto", "fsdp_size": "auto"}
+    for role in (cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.ref, cfg.critic):
+        assert dict(role.megatron) == {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                                          "context_parallel_size": 1, "expert_model_parallel_size": 1,
+                                          "expert_tensor_parallel_size": 1}
+    assert "fsdp_config" not in cfg.actor_rollout_ref.ref  # the reference runs with the actor's
+    (problem,) = _problems("critic.fsdp_config.param_ofload=true")
+    assert problem.endswith("did you mean critic.fsdp_config.param_offload?")
+    (problem,) = _problems("actor_rollout_ref.ref.megatron.context_parallel_size=2")  # megatron's own check
+    assert problem.startswith("actor_rollout_ref.ref.megatron.context_parallel_size=2: Megatron context parallelism")
+    (problem,) = _problems("critic.fsdp_config.fsdp_size=4")  # fsdp2's own check
+    assert problem.startswith("critic.fsdp_config.fsdp_size must be auto, -1")
+    actor = pickle.loads(pickle.dumps(section(cfg, "actor_rollout_ref"))).actor
+    assert actor.fsdp_config.param_offload is False and actor.megatron.pipeline_model_parallel_size == 1
+
+
+ENGINE_PLUGIN = textwrap.dedent('''
+    """A user engine with a sub-section of its own."""
+    from dataclasses import dataclass, field
+
+    from hybridflow.training import FSDP2Engine, register_engine
+
+
+    @dataclass
+    class MineKnobs:
+        buckets: int = 4  # gradient buckets
+
+
+    @dataclass
+    class MineConfig:
+        mine: MineKnobs = field(default_factory=MineKnobs)  # strategy=cfg_mine: the engine's knobs
+
+
+    def mine_checks(get):
+        return [f"{s}.mine.buckets: must be >= 1, got {get(s + '.mine.buckets')}"
+                for s in ("actor_rollout_ref.actor", "critic") if get(s + ".mine.buckets") < 1]
+
+
+    @register_engine("cfg_mine", config=MineConfig, config_checks=mine_checks)
+    class MineEngine(FSDP2Engine):
+        pass
+''')
+
+
+def test_a_plugin_engines_section_is_validated_like_the_built_in_ones(tmp_path):
+    from hybridflow.training import ENGINES
+
+    path = tmp_path / "cfg_engine_plugin.py"
+    path.write_text(ENGINE_PLUGIN)
+    plugin = f"trainer.plugins=[{path}]"
+    try:
+        cfg = load_config("quickstart", [plugin, "critic.strategy=cfg_mine", "critic.mine.buckets=2"])
+        assert cfg.critic.mine.buckets == 2 and cfg.actor_rollout_ref.actor.mine.buckets == 4
+        (problem,) = _problems(plugin, "critic.mine.bucket=2")
+        assert problem.startswith("critic.mine.bucket: unknown key") and problem.endswith(
+            "did you mean critic.mine.buckets?")
+        assert _problems(plugin, "actor_rollout_ref.actor.mine.buckets=0") == [
+            "actor_rollout_ref.actor.mine.buckets: must be >= 1, got 0"]
+    finally:
+        if "cfg_mine" in ENGINES:
+            ENGINES.unregister("cfg_mine")
+        sys.modules.pop("hybridflow_plugin_cfg_engine_plugin", None)
+
+
+def test_loading_a_config_imports_neither_ray_nor_transformers():
+    """The engines' config sections come from their light registrations (hybridflow/training/*_config.py): loading
+    a config, megatron's included, leaves Ray and transformers unimported (each takes seconds)."""
+    import subprocess
+    from pathlib import Path
+
+    code = ("import sys; from hybridflow.config import load_config; "
+            "load_config('quickstart', ['actor_rollout_ref.actor.strategy=megatron', 'critic.strategy=megatron']); "
+            "print(sorted(m for m in ('ray', 'transformers', 'hybridflow.training.fsdp2', "
+            "'hybridflow.training.megatron') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_a_lazy_entry_is_imported_at_its_first_get():
+    registry = Registry("thing", config_section="algorithm")
+    config = dataclasses.make_dataclass("Knob", [("knob", int, 1)])
+    registry.register_lazy("ordered", "collections:OrderedDict", config=config, flavour="sweet")
+    assert "ordered" in registry and registry.names() == ["ordered"]
+    assert registry.meta("ordered", "flavour") == "sweet"
+    assert registry.config_entries() == [("ordered", "algorithm", config)]
+    assert "ordered" in registry._lazy  # nothing imported by the metadata reads
+    from collections import OrderedDict
+
+    assert registry.get("ordered") is OrderedDict and "ordered" not in registry._lazy
+    with pytest.raises(ValueError, match="already registered to collections:OrderedDict"):
+        registry.register_lazy("ordered", "collections:Counter")
+    with pytest.raises(ValueError, match="'module:attribute'"):
+        registry.register_lazy("bad", "collections.Counter")
+    multi = Registry("thing", config_section=("algorithm", "critic"))
+    multi.register("t", config=config)(object())
+    assert [s for _, s, _ in multi.config_entries()] == ["algorithm", "critic"]

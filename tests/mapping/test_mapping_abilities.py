@@ -30,8 +30,8 @@ def test_ability_reasons():
     assert FSDP2.placement_reason([("actor", "reference"), ("critic", "reward")]) is None
     assert UNRESTRICTED.layout_reason("critic", Layout(32, 1, 1)) is None
     assert get_abilities("unrestricted") is UNRESTRICTED
-    with pytest.raises(SpecError, match="unknown engine 'megatron'; known: \\['fsdp2', 'unrestricted'\\]"):
-        get_abilities("megatron")
+    with pytest.raises(SpecError, match="unknown engine 'megatrn'; known: \\['fsdp2', 'megatron', 'unrestricted'\\]"):
+        get_abilities("megatrn")
 
 
 def test_every_plan_of_the_fsdp2_search_is_runnable():
