@@ -12,6 +12,7 @@ from typing import Any, Callable
 from hybridflow.config.schema import ActorConfig
 from hybridflow.mapping.layouts import pool_ranks
 from hybridflow.models.vision_types import is_vision_model_dir
+from hybridflow.training import ENGINES
 
 __all__ = ["LAYOUT_SECTION", "MEGATRON_SECTIONS", "expert_problems", "megatron_problems"]
 
@@ -32,24 +33,7 @@ def _installed(package: str) -> bool:
         return False
 
 
-def _engine_meta() -> Callable[[str, str], Any]:
-    """``meta(engine, key)``: a registration's metadata of the training-engine registry (None for an unknown engine,
-    which :func:`hybridflow.config.checks.strategy_problems` reports)."""
-    from hybridflow.registry import UnknownNameError
-    from hybridflow.training import ENGINES
-
-    def meta(engine: str, key: str) -> Any:
-        try:
-            return ENGINES.meta(engine, key)
-        except UnknownNameError:
-            return None
-
-    return meta
-
-
 def _readers() -> str:
-    from hybridflow.training import ENGINES
-
     return " | ".join(ENGINES.names(layout_section=LAYOUT_SECTION)) or "(none registered)"
 
 
@@ -93,7 +77,7 @@ def megatron_problems(get: Callable[[str], Any]) -> list[str]:
     sizes = {section: tuple(get(f"{section}.{LAYOUT_SECTION}.{key}") for key in _SIZE_KEYS) for section in strategies}
     if all(s == DEFAULT_STRATEGY for s in strategies.values()) and all(v == (1, 1, 1, 1) for v in sizes.values()):
         return []
-    meta = _engine_meta()
+    meta = ENGINES.declared  # None for an unknown engine: strategy_problems reports it
     problems: list[str] = []
     for engine in dict.fromkeys(strategies.values()):
         package = meta(engine, "requires_package")

@@ -12,16 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from hybridflow.config.checks import declared
+from hybridflow.training import ENGINES
 
 
 def _engine_replay_modes(engine: str) -> tuple[str, ...]:
-    from hybridflow.registry import UnknownNameError
-    from hybridflow.training import ENGINES
-
-    try:
-        return tuple(ENGINES.meta(engine, "router_replay") or ())
-    except UnknownNameError:  # reported by strategy_problems
+    if engine not in ENGINES:  # reported by strategy_problems
         return ("rollout", "recompute")
+    return tuple(ENGINES.meta(engine, "router_replay") or ())
 
 
 def router_replay_problems(get: Callable[[str], Any]) -> list[str]:

@@ -10,6 +10,7 @@ import os
 from typing import Any, Callable, Optional
 
 from hybridflow.mapping.layouts import pool_ranks
+from hybridflow.training import ENGINES
 
 __all__ = ["SP_SECTIONS", "sequence_parallel_problems"]
 
@@ -32,13 +33,7 @@ def _attention_heads(path: str) -> Optional[int]:
 
 
 def _engine_reads_sp(engine: str) -> bool:
-    from hybridflow.registry import UnknownNameError
-    from hybridflow.training import ENGINES
-
-    try:
-        return bool(ENGINES.meta(engine, "sequence_parallel"))
-    except UnknownNameError:
-        return True  # an unknown engine is reported by strategy_problems
+    return engine not in ENGINES or bool(ENGINES.meta(engine, "sequence_parallel"))  # unknown: strategy_problems
 
 
 def _section_problems(get: Callable[[str], Any], section: str, strategy_key: str, role: str,
