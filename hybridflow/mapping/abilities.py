@@ -121,7 +121,8 @@ def _from_registry() -> dict[str, Abilities]:
     return out
 
 
-#: the registered engines' abilities at import (:func:`get_abilities` also finds an engine registered later)
+#: the registered engines' abilities at import (``--engine`` choices; :func:`get_abilities` reads the registry
+#: when called, so it also finds an engine registered later)
 ENGINE_ABILITIES: dict[str, Abilities] = _from_registry()
 UNRESTRICTED = Abilities("unrestricted")
 
@@ -134,7 +135,7 @@ def get_abilities(name: str) -> Abilities:
     """
     if name == UNRESTRICTED.name:
         return UNRESTRICTED
-    ENGINE_ABILITIES.update(_from_registry())  # a plugin engine registered after this module was imported
-    if name not in ENGINE_ABILITIES:
-        raise SpecError(f"unknown engine {name!r}; known: {sorted(ENGINE_ABILITIES) + [UNRESTRICTED.name]}")
-    return ENGINE_ABILITIES[name]
+    registered = _from_registry()  # also a plugin engine registered after this module was imported
+    if name not in registered:
+        raise SpecError(f"unknown engine {name!r}; known: {sorted(registered) + [UNRESTRICTED.name]}")
+    return registered[name]
