@@ -128,8 +128,9 @@ def covered_seconds(spans: Iterable[tuple[float, float]], start: float, end: flo
     or not): the length of their union clipped to the window."""
     total, reach = 0.0, start
     for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
-        if b > reach and b > a:
-            total += b - max(a, reach)
+        counted_from = max(a, reach)  # the part before reach is counted already
+        if b > counted_from:
+            total += b - counted_from
             reach = b
     return total
 
